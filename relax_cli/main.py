@@ -1,0 +1,41 @@
+"""The `relax` entry point: builds the typer app from one module per command."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from relax_cli import doctor, listing, recipes, validate
+
+app = typer.Typer(
+    name="relax",
+    help="Relax: asynchronous RL post-training for language and omni-modal models on Slurm.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("validate")(validate.validate)
+app.command("recipes")(recipes.recipes)
+app.command("list")(listing.list_names)
+app.command("doctor")(doctor.doctor)
+
+
+def main() -> None:
+    """Run the CLI; user mistakes exit with 2, runtime failures with 1."""
+    from relax_cli.common import EXIT_RUNTIME_ERROR, EXIT_USER_ERROR, fail
+    from relax_core.errors import UserError
+
+    try:
+        app()
+    except UserError as exc:
+        fail(str(exc), EXIT_USER_ERROR)
+    except Exception as exc:  # a runtime failure: short message, traceback on request
+        if os.environ.get("RELAX_DEBUG"):
+            raise
+        fail(f"{type(exc).__name__}: {exc} (set RELAX_DEBUG=1 for the traceback)", EXIT_RUNTIME_ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Checks of what a recipe refers to: files, folders, reward names.
+
+The schema checks a recipe's shape; these check that the things it names
+exist, so that a typo fails on the login node with exit 2 instead of on the
+cluster after the job has waited in the queue. Light imports only.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from relax_core.config.loader import RecipeError
+from relax_core.config.schema import FileData, HFModel, Recipe
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def reference_problems(recipe: Recipe) -> list[str]:
+    """Every path or name in the recipe that does not exist on this machine."""
+    return _model_problems(recipe) + _data_problems(recipe) + _plugin_dir_problems(recipe)
+
+
+def check_references(recipe: Recipe, recipe_path: str | Path) -> None:
+    """Raise `RecipeError` naming every path or name in the recipe that does not exist."""
+    problems = reference_problems(recipe)
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise RecipeError(f"{recipe_path}: {len(problems)} problem(s) with what the recipe refers to\n{lines}")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    return bool(_HUB_ID.match(value)) and not Path(value).exists()
+
+
+def _model_problems(recipe: Recipe) -> list[str]:
+    model = recipe.model
+    if not isinstance(model, HFModel) or looks_like_hub_id(model.path):
+        return []
+    path = Path(model.path).expanduser()
+    if not path.is_dir():
+        return [f"model.path: '{model.path}' is neither a local model directory nor a hub id like Org/Name"]
+    if not (path / "config.json").is_file():
+        return [f"model.path: '{model.path}' has no config.json; point it at a Hugging Face model directory"]
+    return []
+
+
+def _data_problems(recipe: Recipe) -> list[str]:
+    data = recipe.data
+    if isinstance(data, FileData) and data.source == "file" and not Path(data.path).expanduser().exists():
+        return [f"data.path: file '{data.path}' does not exist (use source: hub for a hub data set)"]
+    return []
+
+
+def _plugin_dir_problems(recipe: Recipe) -> list[str]:
+    return [
+        f"reward.plugin_dirs: folder '{folder}' does not exist"
+        for folder in recipe.reward.plugin_dirs
+        if not Path(folder).expanduser().is_dir()
+    ]

@@ -1,0 +1,534 @@
+"""The recipe schema: every option a user can set, typed, bounded and documented.
+
+A recipe is YAML validated against `Recipe`. Loading (files, dotted overrides,
+error messages) is in `loader.py`; this module only declares the models and
+their cross-field checks. It imports pydantic and nothing heavy, so the CLI can
+validate a recipe on a login node in milliseconds.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, docstrings describe fields."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+def _tagged(field: str, default: str):
+    """A discriminator that reads `field` from the input and falls back to `default`."""
+
+    def pick(value: Any) -> str:
+        if isinstance(value, dict):
+            return value.get(field, default)
+        return getattr(value, field, default)
+
+    return Discriminator(pick)
+
+
+# --------------------------------------------------------------------- model
+class HFModel(Section):
+    """A Hugging Face model: a hub id or a local directory with config and weights."""
+
+    source: Literal["hf"] = "hf"
+    """Where the model comes from: `hf` (hub id or local directory)."""
+    path: str = Field(min_length=1)
+    """Hub id (e.g. `Qwen/Qwen3-4B`) or a local directory holding config.json and weights."""
+    tokenizer: str | None = None
+    """Tokenizer / processor to use, if not the one stored with the model."""
+    dtype: Dtype = "bfloat16"
+    """Parameter dtype for training and rollout."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub (needed by some omni models)."""
+
+
+class TinyModel(Section):
+    """A tiny random-weight model built locally (quick start, tests): nothing is downloaded."""
+
+    source: Literal["tiny"] = "tiny"
+    """Where the model comes from: `tiny` (built from this config with random weights)."""
+    architecture: Literal["qwen3"] = "qwen3"
+    """Model architecture of the random-weight model."""
+    hidden_size: int = Field(64, ge=8)
+    """Hidden size."""
+    num_layers: int = Field(2, ge=1)
+    """Number of transformer layers."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention)."""
+    alphabet: str = Field("abcdefghijklmnopqrstuvwxyz0123456789 +-=?.,", min_length=2)
+    """Characters of the character-level tokenizer (the chat template's are added)."""
+    seed: int = Field(0, ge=0)
+    """Seed of the random initial weights."""
+    dtype: Dtype = "float32"
+    """Parameter dtype."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModel":
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must be divisible by num_heads, and num_heads by num_kv_heads")
+        return self
+
+
+ModelConfig = Annotated[
+    Union[Annotated[HFModel, Tag("hf")], Annotated[TinyModel, Tag("tiny")]],
+    _tagged("source", "hf"),
+]
+
+
+# ---------------------------------------------------------------------- data
+class SyntheticData(Section):
+    """A verifiable task generated from a seed (quick start, tests)."""
+
+    source: Literal["synthetic"] = "synthetic"
+    """Where prompts come from: `synthetic` (generated from a seed)."""
+    task: Literal["copy"] = "copy"
+    """Task: `copy` (repeat the given string)."""
+    min_len: int = Field(2, ge=1)
+    """Shortest string in a prompt."""
+    max_len: int = Field(3, ge=1)
+    """Longest string in a prompt."""
+    symbols: str = Field("abcde", min_length=2)
+    """Characters the task strings are drawn from."""
+    seed: int = Field(0, ge=0)
+    """Seed of the prompt stream."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "SyntheticData":
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
+        return self
+
+
+class FileData(Section):
+    """A data set file (JSONL, JSON or Parquet) or a hub data set, one prompt per row."""
+
+    source: Literal["file", "hub"] = "file"
+    """`file` (a local path) or `hub` (a Hugging Face data set id)."""
+    path: str = Field(min_length=1)
+    """Path of the file, or the hub data set id."""
+    split: str = "train"
+    """Split to read (hub data sets)."""
+    prompt_key: str = "prompt"
+    """Column with the prompt (a string or a list of chat messages)."""
+    label_key: str = "label"
+    """Column with the reference answer the reward compares against."""
+    reward_key: str | None = None
+    """Column naming the reward of each row (mixed-task data sets); the recipe's reward otherwise."""
+    image_key: str | None = None
+    """Column with images (vision-language and omni models)."""
+    audio_key: str | None = None
+    """Column with audio (omni models)."""
+    video_key: str | None = None
+    """Column with video (omni models)."""
+    system_prompt: str | None = None
+    """System message put before every prompt."""
+    shuffle: bool = True
+    """Shuffle the rows each epoch."""
+    seed: int = Field(0, ge=0)
+    """Seed of the shuffle."""
+
+
+DataConfig = Annotated[
+    Union[
+        Annotated[SyntheticData, Tag("synthetic")],
+        Annotated[FileData, Tag("file")],
+        Annotated[FileData, Tag("hub")],
+    ],
+    _tagged("source", "file"),
+]
+
+
+# ------------------------------------------------------------------- rollout
+class RolloutConfig(Section):
+    """Generation: engines, sampling, and how far rollout may run ahead of training."""
+
+    engine: Literal["sglang", "cpu"] = "sglang"
+    """`sglang` on GPU nodes; `cpu` is Relax's own engine speaking SGLang's API (no GPU)."""
+    num_engines: int = Field(1, ge=1)
+    """Number of engine servers."""
+    gpus_per_engine: int = Field(1, ge=0)
+    """GPUs per engine (tensor parallel size of each engine); 0 for the CPU engine."""
+    prompts_per_step: int = Field(32, ge=1)
+    """Prompts per training step."""
+    n_samples_per_prompt: int = Field(8, ge=1)
+    """Responses generated per prompt (the group size of GRPO-like estimators)."""
+    max_prompt_len: int = Field(1024, ge=1)
+    """Longest prompt in tokens; longer prompts are dropped with a warning."""
+    max_new_tokens: int = Field(1024, ge=1)
+    """Longest response in tokens."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold."""
+    top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+    max_staleness: int = Field(1, ge=0)
+    """How many policy versions rollout may run ahead of training (fully_async); 0 is on-policy."""
+    max_concurrency: int = Field(64, ge=1)
+    """Requests in flight per engine."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Extra server arguments passed to each engine (e.g. SGLang's `mem_fraction_static`)."""
+
+
+# --------------------------------------------------------------------- train
+class TrainCommon(Section):
+    lr: float = Field(1e-6, gt=0.0)
+    """Peak learning rate."""
+    min_lr: float = Field(0.0, ge=0.0)
+    """Final learning rate of a decaying schedule."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Maximum global gradient norm."""
+    steps: int = Field(100, ge=1)
+    """Training steps (one optimizer step each)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward/backward pass on one rank."""
+    seed: int = Field(0, ge=0)
+    """Seed of the trainer's random state."""
+
+
+class TorchTrainConfig(TrainCommon):
+    """The PyTorch backend (any transformers model; data parallel over torch.distributed)."""
+
+    backend: Literal["torch"] = "torch"
+    """Training backend: `torch`."""
+    cpu_ranks_per_node: int = Field(1, ge=1)
+    """Data-parallel processes per node when the node has no GPU."""
+
+
+class MegatronTrainConfig(TrainCommon):
+    """The Megatron-core backend (large models; tensor/pipeline/context/expert parallel)."""
+
+    backend: Literal["megatron"] = "megatron"
+    """Training backend: `megatron`."""
+    tensor_parallel: int = Field(1, ge=1)
+    """Tensor-parallel size."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """Pipeline-parallel size."""
+    context_parallel: int = Field(1, ge=1)
+    """Context-parallel size."""
+    expert_parallel: int = Field(1, ge=1)
+    """Expert-parallel size (mixture-of-experts models)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (with tensor parallelism)."""
+    recompute_activations: bool = False
+    """Recompute activations in the backward pass to save memory."""
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+
+TrainConfig = Annotated[
+    Union[Annotated[TorchTrainConfig, Tag("torch")], Annotated[MegatronTrainConfig, Tag("megatron")]],
+    _tagged("backend", "torch"),
+]
+
+
+# ----------------------------------------------------------------- algorithm
+class KLConfig(Section):
+    """KL divergence to the frozen reference model."""
+
+    coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL loss term; 0 turns it off (and the reference model with it)."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 (log-ratio), k2 (squared), k3 (low-variance)."""
+
+
+class PolicyLossCommon(Section):
+    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip range of the importance ratio."""
+    eps_high: float = Field(0.2, gt=0.0)
+    """Upper clip range of the importance ratio (clip-higher when above eps_low)."""
+    dual_clip_c: float | None = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages; null disables it."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced to the step loss."""
+    kl: KLConfig = Field(default_factory=KLConfig)
+    """KL to the reference model."""
+    tis_cap: float | None = Field(None, gt=0.0)
+    """Truncated importance sampling cap C on rollout/trainer log-prob mismatch; null disables it."""
+
+
+class GRPOConfig(PolicyLossCommon):
+    """GRPO: group-normalised outcome advantages with the PPO clipped loss, no critic."""
+
+    name: Literal["grpo"] = "grpo"
+    """Algorithm name."""
+
+
+class CriticConfig(Section):
+    """The value model PPO trains next to the policy."""
+
+    lr: float = Field(1e-5, gt=0.0)
+    """Critic learning rate."""
+    value_clip: float = Field(0.2, gt=0.0)
+    """Clip range eps_v of the value loss."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps during which only the critic is trained."""
+
+
+class PPOConfig(PolicyLossCommon):
+    """PPO: GAE advantages from a learned critic, clipped policy loss."""
+
+    name: Literal["ppo"] = "ppo"
+    """Algorithm name."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount factor."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+    critic: CriticConfig
+    """The critic (value model); required."""
+
+
+AlgorithmConfig = Annotated[
+    Union[Annotated[GRPOConfig, Tag("grpo")], Annotated[PPOConfig, Tag("ppo")]],
+    _tagged("name", "grpo"),
+]
+ALGORITHM_MODELS: dict[str, type[Section]] = {"grpo": GRPOConfig, "ppo": PPOConfig}
+
+
+# -------------------------------------------------------------------- reward
+class RewardConfig(Section):
+    """How responses are scored."""
+
+    name: str = Field("exact_match", min_length=1)
+    """Reward function (see `relax list rewards`)."""
+    key: str | None = None
+    """When the reward returns several named scores, the one to train on."""
+    plugin_dirs: list[str] = Field(default_factory=list)
+    """Extra folders whose `*.py` files define rewards with `@reward("name")`."""
+    timeout_s: float = Field(10.0, gt=0.0)
+    """Time limit of one reward call; a call past it scores 0."""
+
+
+# ------------------------------------------------------------------- cluster
+class NodeGroup(Section):
+    """One node group of the heterogeneous job."""
+
+    nodes: int = Field(1, ge=0)
+    """Number of nodes."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node used by Relax."""
+    cpus_per_node: int = Field(2, ge=1)
+    """CPU cores per node."""
+    mem: str | None = Field(None, pattern=r"^\d+[KMGT]?$")
+    """Memory per node as Slurm writes it (e.g. `480G`); the partition default if unset."""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# Slurm accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM and D-HH:MM:SS.
+_SLURM_TIME = re.compile(r"^\d+(:\d{2}){0,2}$|^\d+-\d+(:\d{2}){0,2}$")
+
+
+class SlurmConfig(Section):
+    """Slurm options, applied to every het component of the job."""
+
+    partition: str | None = None
+    """Partition (`-p`)."""
+    account: str | None = None
+    """Account to charge (`-A`)."""
+    qos: str | None = None
+    """Quality of service (`--qos`)."""
+    time: str = "04:00:00"
+    """Wall-time limit, Slurm format (`HH:MM:SS`, `D-HH:MM:SS`, or minutes)."""
+    constraint: str | None = None
+    """Node features (`-C`)."""
+    extra_sbatch: list[str] = Field(default_factory=list)
+    """Extra `#SBATCH` option lines, e.g. `--exclusive`."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run before anything starts (module load, environment activation)."""
+    signal_before_end_s: int = Field(300, ge=30)
+    """Seconds before the time limit at which Relax checkpoints and requeues."""
+
+    @field_validator("time")
+    @classmethod
+    def _time_format(cls, value: str) -> str:
+        if not _SLURM_TIME.match(value):
+            raise ValueError(f"'{value}' is not a Slurm time (use HH:MM:SS, D-HH:MM:SS or minutes)")
+        return value
+
+
+class ContainerConfig(Section):
+    """Run every step inside an Apptainer image."""
+
+    image: str | None = None
+    """Path of the `.sif` image; no container when unset."""
+    binds: list[str] = Field(default_factory=list)
+    """Bind mounts (`src[:dst[:opts]]`)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables set inside the container."""
+
+
+class NetworkConfig(Section):
+    """Which network the job's processes talk over."""
+
+    interface: str | None = None
+    """Network interface (e.g. `ib0`) for Ray's node address and NCCL/Gloo sockets; auto if unset."""
+
+
+class ClusterConfig(Section):
+    """Where the job runs."""
+
+    executor: Literal["auto", "slurm", "local"] = "auto"
+    """`slurm`, `local` (this machine), or `auto` (Slurm when `sbatch` is on PATH)."""
+    train: NodeGroup = Field(default_factory=NodeGroup)
+    """Training node group (het group 0)."""
+    rollout: NodeGroup = Field(default_factory=lambda: NodeGroup(nodes=0))
+    """Rollout node group (het group 1); empty in colocate mode."""
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    """Slurm options."""
+    container: ContainerConfig = Field(default_factory=ContainerConfig)
+    """Apptainer container."""
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    """Network selection."""
+
+
+# ------------------------------------------------------ checkpoint, logging
+class CheckpointConfig(Section):
+    """Megatron-format checkpoints."""
+
+    dir: str | None = None
+    """Checkpoint folder; `<run dir>/checkpoints` if unset."""
+    interval: int = Field(50, ge=1)
+    """Save every this many steps (and at the end)."""
+    keep_last: int = Field(3, ge=1)
+    """Checkpoints kept; older ones are deleted."""
+    resume: bool = True
+    """Resume from the latest checkpoint of the run directory when there is one."""
+
+
+class LoggingConfig(Section):
+    """Where runs and metrics go."""
+
+    run_root: str = "runs"
+    """Folder under which each run gets its own directory."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+
+
+# -------------------------------------------------------------------- recipe
+class Recipe(Section):
+    """A whole Relax job: what to train, on what, how, and where."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """Run name (letters, digits, `.`, `_`, `-`)."""
+    model: ModelConfig
+    """The policy model."""
+    data: DataConfig
+    """Prompts and labels."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation."""
+    train: TrainConfig = Field(default_factory=TorchTrainConfig)
+    """Training backend and optimiser."""
+    algorithm: AlgorithmConfig = Field(default_factory=GRPOConfig)
+    """RL algorithm."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward."""
+    mode: Literal["colocate", "fully_async", "hybrid"] = "colocate"
+    """`colocate` (share devices, on-policy), `fully_async` or `hybrid` (separate rollout group)."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Nodes, Slurm, container."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Run directory and metrics."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Recipe":
+        problems = _mode_problems(self) + _engine_problems(self) + _train_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
+
+    @property
+    def train_ranks(self) -> int:
+        """Data-parallel x model-parallel processes of the training group."""
+        group = self.cluster.train
+        if group.gpus_per_node:
+            return group.gpus
+        ranks_per_node = getattr(self.train, "cpu_ranks_per_node", 1)
+        return group.nodes * ranks_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        mp = getattr(self.train, "model_parallel", 1)
+        return max(self.train_ranks // mp, 1)
+
+
+def _mode_problems(r: Recipe) -> list[str]:
+    rollout_nodes = r.cluster.rollout.nodes
+    if r.mode == "colocate" and rollout_nodes:
+        return [
+            f"cluster.rollout.nodes: colocate mode shares the training nodes, so the rollout group "
+            f"must be empty (got {rollout_nodes}); set mode: fully_async to use separate rollout nodes"
+        ]
+    if r.mode != "colocate" and not rollout_nodes:
+        return [f"cluster.rollout.nodes: mode {r.mode} needs a rollout node group (set it to 1 or more)"]
+    return []
+
+
+def _engine_problems(r: Recipe) -> list[str]:
+    ro = r.rollout
+    if ro.engine == "cpu":
+        if ro.gpus_per_engine:
+            return ["rollout.gpus_per_engine: the cpu engine uses no GPU; set it to 0"]
+        return []
+    if ro.gpus_per_engine < 1:
+        return ["rollout.gpus_per_engine: the sglang engine needs at least 1 GPU per engine"]
+    group_name = "train" if r.mode == "colocate" else "rollout"
+    group = getattr(r.cluster, group_name)
+    needed = ro.num_engines * ro.gpus_per_engine
+    if needed > group.gpus:
+        return [
+            f"rollout.num_engines: {ro.num_engines} engines x {ro.gpus_per_engine} GPUs = {needed} GPUs, "
+            f"but cluster.{group_name} has {group.nodes} nodes x {group.gpus_per_node} GPUs = {group.gpus}"
+        ]
+    return []
+
+
+def _train_problems(r: Recipe) -> list[str]:
+    problems = []
+    train, group = r.train, r.cluster.train
+    if group.nodes < 1:
+        problems.append("cluster.train.nodes: the training group needs at least 1 node")
+    if isinstance(train, MegatronTrainConfig):
+        if not group.gpus_per_node:
+            problems.append("cluster.train.gpus_per_node: the megatron backend needs GPUs")
+        elif group.gpus % train.model_parallel:
+            problems.append(
+                f"train.tensor_parallel: tensor x pipeline x context parallel = {train.model_parallel} "
+                f"does not divide the {group.gpus} training GPUs"
+            )
+    if not problems and r.samples_per_step % r.data_parallel:
+        problems.append(
+            f"rollout.prompts_per_step: {r.rollout.prompts_per_step} prompts x "
+            f"{r.rollout.n_samples_per_prompt} samples = {r.samples_per_step} samples per step cannot be "
+            f"split evenly over {r.data_parallel} data-parallel ranks"
+        )
+    return problems

@@ -1,0 +1,53 @@
+"""The unit of data that flows from rollout to training.
+
+A `Sample` is produced by the rollout manager (one per generated response),
+scored by the reward hub, and consumed by the trainer. It is plain Python data
+(lists, not tensors) so it crosses process boundaries (Ray, TransferQueue)
+cheaply and without torch on the sending side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, with what the trainer needs to learn from it.
+
+    Attributes:
+        prompt_ids: token ids of the prompt, chat template applied.
+        response_ids: token ids the engine generated (stop/EOS token included
+            when it was generated).
+        rollout_logprobs: log-prob of each response token as reported by the
+            engine, same length as `response_ids`.
+        loss_mask: 1 for tokens the model generated and should learn from, 0
+            for tokens it did not (tool output in multi-turn), same length as
+            `response_ids`.
+        reward: scalar outcome reward.
+        group_id: samples answering the same prompt share a group id; the
+            advantage estimators normalise within a group.
+        policy_version: the weight version of the engine that generated it.
+        label: the reference answer the reward compared against.
+        metadata: free-form per-sample data from the data set.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    reward: float = 0.0
+    group_id: int = 0
+    policy_version: int = 0
+    loss_mask: list[int] = field(default_factory=list)
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = "length"
+
+    def __post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [1] * len(self.response_ids)
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
