@@ -1,0 +1,243 @@
+"""The one client for rollout engines: SGLang's native HTTP API, nothing else.
+
+The rollout manager, the router and the weight sync (`relax_core.weights.sync`)
+talk to every engine through `EngineClient`: a real SGLang server on a GPU
+node, or the CPU engine (`relax_core.rollout.cpu_engine`) on a laptop. Only
+request and response shapes that SGLang itself has are used here, so code
+tested against the CPU engine runs unchanged on the cluster.
+
+`parse_generate_output` turns one `/generate` result into what a `Sample`
+needs (token ids, their log-probs, finish reason, weight version).
+
+An `EngineClient` holds an `httpx.AsyncClient`, which belongs to the event
+loop it is first used on: create it, use it and `aclose()` it inside one loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error status or `success: false`."""
+
+    def __init__(self, url: str, status_code: int, message: str) -> None:
+        super().__init__(f"{url} -> {status_code}: {message}")
+        self.url = url
+        self.status_code = status_code
+        self.message = message
+
+
+@dataclass
+class GenerateOutput:
+    """The parts of one `/generate` result that training needs."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str
+    text: str = ""
+    prompt_tokens: int = 0
+
+    @property
+    def policy_version(self) -> int:
+        """The weight version as an int (`Sample.policy_version`); 0 for SGLang's "default"."""
+        return int(self.weight_version) if self.weight_version.lstrip("-").isdigit() else 0
+
+
+def parse_generate_output(result: dict[str, Any]) -> GenerateOutput:
+    """Parse one item of a `/generate` response (SGLang's shape).
+
+    Token ids come from `output_token_logprobs` when present (every SGLang
+    version has it with `return_logprob`), else from `output_ids`.
+    """
+    meta = result.get("meta_info", {})
+    token_logprobs = meta.get("output_token_logprobs")
+    if token_logprobs is not None:
+        output_ids = [int(item[1]) for item in token_logprobs]
+        logprobs = [float(item[0]) for item in token_logprobs]
+    else:
+        output_ids, logprobs = list(result.get("output_ids", [])), []
+    reason = meta.get("finish_reason") or {}
+    return GenerateOutput(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=reason.get("type", "abort") if isinstance(reason, dict) else str(reason),
+        weight_version=str(meta.get("weight_version", "default")),
+        text=result.get("text", ""),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+    )
+
+
+class EngineClient:
+    """Async client of one engine's native API.
+
+    Args:
+        base_url: e.g. "http://10.0.0.5:30000".
+        api_key: sent as `Authorization: Bearer ...` (SGLang's `--api-key`).
+        timeout: seconds per request (generation included).
+        max_connections: concurrent requests to this engine; keep it at least
+            the engine's `--max-running-requests` so batching is not starved.
+    """
+
+    def __init__(
+        self, base_url: str, api_key: str | None = None, timeout: float = 600.0, max_connections: int = 512
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ---- generation ----
+
+    async def generate(
+        self,
+        input_ids: list[int] | list[list[int]] | None = None,
+        *,
+        text: str | list[str] | None = None,
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        return_logprob: bool = True,
+        rid: str | list[str] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """POST /generate; a batch of prompts gives a list of results."""
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        body.update({k: v for k, v in (("input_ids", input_ids), ("text", text), ("rid", rid)) if v is not None})
+        body.update(extra)
+        return await self._post_json("/generate", body)
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._request("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
+
+    # ---- health and info ----
+
+    async def health(self) -> bool:
+        """True when the server answers /health with 200 (no exception when down)."""
+        return await self._ok("/health")
+
+    async def health_generate(self) -> bool:
+        return await self._ok("/health_generate")
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return (await self._request("GET", "/get_model_info")).json()
+
+    async def get_weight_version(self) -> str:
+        return str((await self._request("GET", "/get_weight_version")).json()["weight_version"])
+
+    # ---- scheduling control ----
+
+    async def flush_cache(self) -> bool:
+        """False when the engine refused because requests are in flight (SGLang's 400)."""
+        response = await self._http.post("/flush_cache")
+        return response.status_code == 200
+
+    async def pause_generation(self, mode: str | None = None) -> dict[str, Any]:
+        """Pause; `mode` is "abort" (SGLang's default), "retract" or "in_place".
+        Without a mode no body is sent, which every SGLang version accepts."""
+        body = None if mode is None else {"mode": mode}
+        return (await self._request("POST", "/pause_generation", json=body)).json()
+
+    async def continue_generation(self) -> dict[str, Any]:
+        return (await self._request("POST", "/continue_generation")).json()
+
+    # ---- weight sync ----
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Ask the engine to join the weight-update group (blocks until all ranks join)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._post_result("/init_weights_update_group", body)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._post_result("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Announce one bucket; the engine then receives each tensor by broadcast from rank 0."""
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._post_result("/update_weights_from_distributed", body)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
+        body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
+        return await self._post_json("/update_weight_version", body)
+
+    # ---- plumbing ----
+
+    async def _ok(self, path: str) -> bool:
+        try:
+            return (await self._http.get(path)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = await self._http.request(method, path, **kwargs)
+        if response.status_code != 200:
+            raise EngineError(self.base_url + path, response.status_code, _error_message(response))
+        return response
+
+    async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
+        return (await self._request("POST", path, json=body)).json()
+
+    async def _post_result(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        result = await self._post_json(path, body)
+        if not result.get("success", False):
+            raise EngineError(self.base_url + path, 200, result.get("message", ""))
+        return result
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)

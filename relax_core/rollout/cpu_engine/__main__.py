@@ -1,0 +1,73 @@
+"""Command line of the CPU engine (flags named like `sglang.launch_server`'s).
+
+    python -m relax_core.rollout.cpu_engine --model-path DIR --host 127.0.0.1 --port 30000 \
+        [--api-key TOKEN] [--max-running-requests N] [--seed S]
+
+Loads the model, then serves; prints `READY_PREFIX ...` once it accepts
+connections (the launcher in `relax_core.cluster` and the tests wait for
+`/health` or for that line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+READY_PREFIX = "relax-cpu-engine ready"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m relax_core.rollout.cpu_engine", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (only this one)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RELAX_ENGINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on all but /health* (default: $RELAX_ENGINE_API_KEY, "
+        "which keeps the key out of the process list)",
+    )
+    p.add_argument("--max-running-requests", type=int, default=128, help="rows decoded together at most")
+    p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0, help="server sampling seed")
+    p.add_argument("--weight-version", default="default", help="initial weight version reported")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    import uvicorn
+
+    from relax_core.rollout.cpu_engine.server import create_app, load_engine_state
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    state = load_engine_state(
+        args.model_path,
+        dtype=args.dtype,
+        max_running=args.max_running_requests,
+        seed=args.seed,
+        weight_version=args.weight_version,
+    )
+    app = create_app(state, api_key=args.api_key)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(f"{READY_PREFIX} on http://{args.host}:{args.port} model={args.model_path}", flush=True)
+
+    try:
+        _Server(config).run()
+    finally:
+        state.batcher.stop()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,364 @@
+"""HTTP layer of the CPU engine: SGLang's native endpoints over FastAPI/uvicorn.
+
+Request flow: a handler validates the body (`protocol.py`), turns `/generate`
+items into `Sequence`s (`generate.py`) and submits them to the scheduler
+thread (`batcher.py`), awaiting one future per item; control endpoints run
+their action on the scheduler thread through `Batcher.call`, so they take
+effect between two forward passes. Status codes and bodies follow SGLang's
+`http_server.py`: errors are `{"error": {"message": ...}}` with 400, control
+endpoints answer `{"success": bool, "message": str}`.
+
+Pause semantics (SGLang's): while paused, new `/generate` requests wait until
+`/continue_generation`; in-flight ones are aborted (mode "abort", the
+default) or kept and resumed (modes "in_place" / "retract").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from relax_core.rollout.cpu_engine.batcher import Batcher, Sequence
+from relax_core.rollout.cpu_engine.generate import ModelLimits, build_response, build_sequences
+from relax_core.rollout.cpu_engine.protocol import (
+    AbortReq,
+    DestroyWeightsUpdateGroupReqInput,
+    GenerateReqInput,
+    InitWeightsUpdateGroupReqInput,
+    PauseGenerationReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
+from relax_core.rollout.cpu_engine.weight_loader import WeightLoader, parse_dtype
+
+HEALTH_CHECK_TIMEOUT_S = 20.0
+
+try:  # SGLang answers with orjson; fall back to the standard library
+    import orjson
+
+    def _dumps(content: Any) -> bytes:
+        return orjson.dumps(content)
+except ImportError:  # pragma: no cover
+
+    def _dumps(content: Any) -> bytes:
+        return json.dumps(content).encode()
+
+
+def json_response(content: Any, status_code: int = 200) -> Response:
+    return Response(_dumps(content), status_code=status_code, media_type="application/json")
+
+
+def error_response(message: str, status_code: int = 400) -> Response:
+    return json_response({"error": {"message": message}}, status_code)
+
+
+def result_response(success: bool, message: str) -> Response:
+    return json_response({"success": success, "message": message}, 200 if success else 400)
+
+
+@dataclass
+class EngineState:
+    """Everything the handlers share; built by `__main__` once the model is loaded."""
+
+    model_path: str
+    tokenizer: Any
+    batcher: Batcher
+    limits: ModelLimits
+    loader: WeightLoader
+    weight_version: str = "default"
+    groups: dict[str, Any] = field(default_factory=dict)
+    # Set = not paused. (asyncio.Event binds to the running loop on first use.)
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.resumed.set()
+
+
+def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app; with `api_key`, every path but /health* needs the bearer token."""
+    app = FastAPI(openapi_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+
+    _add_info_routes(app, state)
+    _add_generate_routes(app, state)
+    _add_control_routes(app, state)
+    _add_weight_routes(app, state)
+    return app
+
+
+class ApiKeyMiddleware:
+    """SGLang's `--api-key`: `Authorization: Bearer KEY` on all but /health*, else 401.
+
+    A plain ASGI middleware (not `BaseHTTPMiddleware`) to keep per-request
+    overhead small.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith("/health") or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        response = json_response({"error": "Unauthorized"}, 401)
+        await response(scope, receive, send)
+
+
+async def _on_scheduler(state: EngineState, fn) -> Any:
+    return await asyncio.wrap_future(state.batcher.call(fn))
+
+
+def _add_info_routes(app: FastAPI, state: EngineState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        # One greedy token straight to the scheduler (not held up by a pause).
+        req = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        try:
+            await asyncio.wait_for(_run_generate(state, req), HEALTH_CHECK_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        return json_response(
+            {
+                "model_path": state.model_path,
+                "tokenizer_path": state.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": state.weight_version,
+                # Not in SGLang: the CPU engine's batching counters.
+                "engine_stats": state.batcher.stats_dict(),
+            }
+        )
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return json_response({"weight_version": state.weight_version})
+
+
+def _add_generate_routes(app: FastAPI, state: EngineState) -> None:
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        try:
+            req = GenerateReqInput.model_validate(await request.json())
+        except (ValidationError, ValueError) as exc:
+            return error_response(str(exc))
+        await state.resumed.wait()
+        try:
+            outputs = await _run_generate(state, req)
+        except ValueError as exc:
+            return error_response(str(exc))
+        return json_response(outputs if req.is_batch else outputs[0])
+
+
+async def _run_generate(state: EngineState, req: GenerateReqInput) -> list[dict[str, Any]]:
+    """Submit every item of `req` and wait for all; no await before submit, so a
+    pause that starts later always sees these sequences in the scheduler."""
+    loop = asyncio.get_running_loop()
+    seqs, params, logprob_flags = build_sequences(req, state.tokenizer, state.batcher, state.limits)
+    futures = [loop.create_future() for _ in seqs]
+    for seq, future in zip(seqs, futures):
+        seq.on_done = _resolver(loop, future)
+    state.batcher.submit(seqs)
+    done: list[Sequence] = await asyncio.gather(*futures)
+    return [
+        build_response(seq, p, flag, state.tokenizer, state.weight_version)
+        for seq, p, flag in zip(done, params, logprob_flags)
+    ]
+
+
+def _resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+    def resolve(seq: Sequence) -> None:  # called on the scheduler thread
+        loop.call_soon_threadsafe(_set_once, future, seq)
+
+    return resolve
+
+
+def _set_once(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _add_control_routes(app: FastAPI, state: EngineState) -> None:
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # No prefix cache to flush; like SGLang, refuse while requests are in flight.
+        idle = await _on_scheduler(state, lambda b: b.is_idle())
+        return Response(
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n",
+            status_code=200 if idle else 400,
+        )
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        try:
+            mode = PauseGenerationReqInput.model_validate_json(await request.body() or b"{}").mode
+        except ValidationError as exc:
+            return error_response(str(exc))
+        state.resumed.clear()
+        await _on_scheduler(state, lambda b: _pause(b, mode))
+        return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        await _on_scheduler(state, lambda b: setattr(b, "hold", False))
+        state.resumed.set()
+        return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(obj: AbortReq) -> Response:
+        rid = None if obj.abort_all else obj.rid
+        if rid is None and not obj.abort_all:
+            return error_response("Give a rid or abort_all=true.")
+        await _on_scheduler(state, lambda b: b.abort(rid))
+        return Response(status_code=200)
+
+
+def _pause(batcher: Batcher, mode: str) -> None:
+    if mode == "abort":
+        batcher.abort()
+    else:
+        batcher.hold = True
+
+
+def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(obj: InitWeightsUpdateGroupReqInput) -> Response:
+        ok, message = await _init_group(state, obj)
+        return result_response(ok, message)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> Response:
+        from relax_core.weights.process_group import destroy_weight_update_group
+
+        group = state.groups.pop(obj.group_name, None)
+        if group is None:
+            return result_response(False, f"No weight update group named {obj.group_name!r}.")
+        await asyncio.to_thread(destroy_weight_update_group, group)
+        return result_response(True, "Succeeded to destroy custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput) -> Response:
+        ok, message = await _update_weights(state, obj)
+        if ok and obj.weight_version is not None:
+            state.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+        return result_response(ok, message)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        body = await request.json()
+        if body.get("abort_all_requests"):
+            await _on_scheduler(state, lambda b: b.abort())
+        state.weight_version = str(body["new_version"])
+        return json_response(
+            {
+                "success": True,
+                "message": f"Weight version updated to {state.weight_version}",
+                "new_version": state.weight_version,
+            }
+        )
+
+
+async def _init_group(state: EngineState, obj: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+    import torch
+
+    from relax_core.weights.process_group import init_weight_update_group
+
+    if obj.group_name in state.groups:
+        return False, f"A weight update group named {obj.group_name!r} already exists; destroy it first."
+    if obj.backend == "nccl" and not torch.cuda.is_available():
+        return False, "backend 'nccl' needs CUDA; the CPU engine needs backend='gloo'."
+    try:
+        group = await asyncio.to_thread(
+            init_weight_update_group,
+            obj.master_address,
+            obj.master_port,
+            obj.rank_offset,  # + tp_rank, which is always 0 here
+            obj.world_size,
+            obj.group_name,
+            obj.backend,
+        )
+    except Exception as exc:  # noqa: BLE001 - reported to the caller like SGLang does
+        return False, f"Failed to init custom process group: {exc}"
+    state.groups[obj.group_name] = group
+    return True, "Succeeded to initialize custom process group."
+
+
+async def _update_weights(state: EngineState, obj: UpdateWeightsFromDistributedReqInput) -> tuple[bool, str]:
+    group = state.groups.get(obj.group_name)
+    if group is None:
+        return False, f"No weight update group named {obj.group_name!r}; call /init_weights_update_group."
+    try:
+        for dtype in obj.dtypes:
+            parse_dtype(dtype)
+    except ValueError as exc:
+        return False, str(exc)
+    if obj.abort_all_requests:
+        await _on_scheduler(state, lambda b: b.abort())
+    try:
+        await _on_scheduler(state, lambda b: state.loader.receive(group, obj.names, obj.dtypes, obj.shapes))
+    except Exception as exc:  # noqa: BLE001
+        return False, f"Failed to update parameter online: {exc}"
+    return True, "Succeeded to update parameter online."
+
+
+def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: int, weight_version: str) -> EngineState:
+    """Load model and tokenizer and start the scheduler thread."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype))
+    model.eval().requires_grad_(False)
+    _check_full_attention(model.config)
+    batcher = Batcher(
+        model,
+        tokenizer,
+        max_running=max_running,
+        seed=seed,
+        original_logprob=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"),
+    )
+    batcher.start()
+    limits = ModelLimits(
+        context_length=model.config.max_position_embeddings,
+        vocab_size=model.config.vocab_size,
+        eos_ids=_eos_ids(model, tokenizer),
+    )
+    return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), weight_version)
+
+
+def _check_full_attention(config) -> None:
+    kinds = set(getattr(config.get_text_config(), "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise SystemExit(f"The CPU engine supports full-attention models only; this one has {sorted(kinds)}.")
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (model.generation_config, model.config):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,227 @@
+"""Trainer side of the weight sync: bucketed broadcast into every rollout engine.
+
+After a training step, the trainer's rank 0 holds the new weights under their
+Hugging Face names (the Megatron backend gathers and converts them first). A
+`WeightBroadcaster` pushes them to all engines over a torch.distributed group
+(`process_group.py`; gloo on CPU, NCCL on GPU) in which it is rank 0 and the
+engines are ranks 1..N, using SGLang's protocol:
+
+    per bucket:  POST /update_weights_from_distributed {names, dtypes, shapes}
+                 to every engine (concurrently)  ||  broadcast each tensor
+                 of the bucket from rank 0, in the order of `names`
+
+Buckets bound the memory in flight and let the HTTP round trip of one bucket
+overlap the broadcasts. Only the last bucket carries the new
+`weight_version`, so an engine reports the new version only once every
+tensor has arrived. When the set of engines changes (elastic rollout),
+`set_engines` tears the group down and builds a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from relax_core.rollout.client import EngineClient
+from relax_core.weights.process_group import (
+    DEFAULT_TIMEOUT,
+    destroy_weight_update_group,
+    init_weight_update_group,
+)
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+class WeightSyncError(RuntimeError):
+    """An engine refused to join the group or to load a bucket."""
+
+
+@dataclass
+class BroadcastStats:
+    """What one `WeightBroadcaster.broadcast` moved, and how fast."""
+
+    version: int
+    num_tensors: int
+    num_buckets: int
+    total_bytes: int
+    seconds: float
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.total_bytes / max(self.seconds, 1e-9) / 1e9
+
+
+class WeightBroadcaster:
+    """Rank 0 of the weight-update group; pushes named tensors to all engines.
+
+    Args:
+        clients: one client per engine.
+        master_address: this (trainer) host's address as the engines reach it.
+        master_port: free TCP port on this host for the group's rendezvous.
+        group_name: name of the group on both sides.
+        backend: "gloo" (CPU engines) or "nccl" (SGLang on GPU).
+        bucket_bytes: upper bound of one bucket (a larger tensor goes alone).
+        ranks_per_engine: ranks each engine contributes (SGLang: its TP size).
+    """
+
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        master_address: str,
+        master_port: int,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+        bucket_bytes: int = 512 << 20,
+        ranks_per_engine: int = 1,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError("bucket_bytes must be positive")
+        self.clients = list(clients)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.ranks_per_engine = ranks_per_engine
+        self.timeout = timeout
+        self.group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + self.ranks_per_engine * len(self.clients)
+
+    async def init(self) -> None:
+        """Create the group: this process as rank 0 while every engine joins."""
+        if self.group is not None:
+            raise RuntimeError("the weight-update group already exists; call close() or set_engines()")
+        own = asyncio.to_thread(
+            init_weight_update_group,
+            self.master_address,
+            self.master_port,
+            0,
+            self.world_size,
+            self.group_name,
+            self.backend,
+            self.timeout,
+        )
+        joins = [self._join(i, client) for i, client in enumerate(self.clients)]
+        results = await asyncio.gather(own, *joins, return_exceptions=True)
+        if not isinstance(results[0], BaseException):
+            self.group = results[0]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise WeightSyncError(f"creating the weight-update group failed: {errors[0]}") from errors[0]
+
+    def _join(self, index: int, client: EngineClient):
+        return client.init_weights_update_group(
+            self.master_address,
+            self.master_port,
+            rank_offset=1 + index * self.ranks_per_engine,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+        )
+
+    async def broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
+        """Send all tensors (streamed: the iterable may produce them lazily)."""
+        if self.group is None:
+            raise RuntimeError("call init() first")
+        start = time.perf_counter()
+        stats = BroadcastStats(version, 0, 0, 0, 0.0)
+        for bucket, is_last in _with_last(iter_buckets(named_tensors, self.bucket_bytes)):
+            await self._send_bucket(bucket, str(version) if is_last else None)
+            stats.num_buckets += 1
+            stats.num_tensors += len(bucket)
+            stats.total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    async def _send_bucket(self, bucket: list[NamedTensor], weight_version: str | None) -> None:
+        tensors = [self._on_device(t) for _, t in bucket]
+        announce = [
+            asyncio.ensure_future(
+                client.update_weights_from_distributed(
+                    names=[name for name, _ in bucket],
+                    dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+                    shapes=[list(t.shape) for t in tensors],
+                    group_name=self.group_name,
+                    weight_version=weight_version,
+                )
+            )
+            for client in self.clients
+        ]
+        sent = asyncio.to_thread(_broadcast_all, tensors, self.group)
+        results = await asyncio.gather(sent, *announce, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise WeightSyncError(f"weight update failed: {errors[0]}") from errors[0]
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if self.backend == "nccl" and not tensor.is_cuda:
+            tensor = tensor.cuda()
+        elif self.backend == "gloo" and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        return tensor.contiguous()
+
+    async def close(self) -> None:
+        """Destroy the group on the engines (best effort) and here."""
+        if self.clients:
+            await asyncio.gather(
+                *(c.destroy_weights_update_group(self.group_name) for c in self.clients), return_exceptions=True
+            )
+        if self.group is not None:
+            group, self.group = self.group, None
+            await asyncio.to_thread(destroy_weight_update_group, group)
+
+    async def set_engines(self, clients: list[EngineClient], master_port: int | None = None) -> None:
+        """Re-create the group for a new set of engines (e.g. after a scale-out).
+
+        A fresh `master_port` avoids waiting for the old rendezvous port.
+        """
+        await self.close()
+        self.clients = list(clients)
+        self.master_port = master_port or self.master_port
+        await self.init()
+
+
+def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
+    """Group tensors, in order, into lists of at most `bucket_bytes` bytes
+    (a tensor larger than that forms a bucket of its own)."""
+    bucket: list[NamedTensor] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _with_last(items: Iterator) -> Iterator[tuple[object, bool]]:
+    """(item, is_last) pairs, looking one item ahead."""
+    previous = next(items, _END)
+    while previous is not _END:
+        current = next(items, _END)
+        yield previous, current is _END
+        previous = current
+
+
+_END = object()
+
+
+def _broadcast_all(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+    for handle in handles:
+        handle.wait()
