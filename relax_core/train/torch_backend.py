@@ -1,0 +1,399 @@
+"""Torch training backend: a Hugging Face causal LM trained with GRPO-style losses.
+
+The CPU counterpart of the Megatron backend. The controller hands each
+data-parallel rank its shard of a step's `Sample`s; `train_step` computes
+advantages over the whole step (all ranks), recomputes the old log-probs,
+accumulates the loss over micro-batches, all-reduces the gradients over the
+process group (gloo here) and takes an AdamW step. Weight sync reads
+`named_parameters_for_sync`, checkpointing `state_dict`/`load_state_dict`.
+
+Loss normalisers (token and sequence counts) are summed over every
+micro-batch and rank of a mini-batch before the first backward, and gradients
+are summed (not averaged) across ranks, so the update does not depend on how
+the batch was split (see algorithms/aggregation.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from relax_core.algorithms import registry
+from relax_core.algorithms.losses import tis_weight
+from relax_core.rollout.types import Sample
+from relax_core.train.batching import (
+    MicroBatch,
+    chunks,
+    forward_logprobs,
+    pack,
+    shard_bounds,
+)
+from relax_core.train.config import TorchTrainerConfig
+from relax_core.train.optim import build_optimizer, build_scheduler
+
+# Order of the per-update metric sums that are all-reduced in one tensor.
+_SUMS = ("pg_loss", "kl_loss", "clipped", "entropy", "kl", "tis", "tokens")
+
+
+@dataclass
+class _Micro:
+    """A packed micro-batch with the per-step constants of its samples."""
+
+    mb: MicroBatch
+    advantages: torch.Tensor  # [B]
+    logp_old: (
+        torch.Tensor | None
+    )  # [B, R]; None: take the update forward's own (see _on_policy)
+    logp_ref: torch.Tensor | None  # [B, R]
+
+
+@dataclass
+class _Mini:
+    """The micro-batches of one optimizer step and the step-global normalisers."""
+
+    micros: list[_Micro]
+    tokens: float
+    seqs: float
+    norm_len: float
+
+
+def load_causal_lm(path: str | Path, dtype: str, device: str) -> torch.nn.Module:
+    """Load an HF causal LM in eval mode (dropout off: log-probs must match the engine's)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    return model.to(device).eval()
+
+
+class TorchTrainer:
+    """Trains one HF causal LM, data-parallel over a torch.distributed group.
+
+    Args:
+        model_path: HF model directory (config.json, safetensors, tokenizer).
+        config: optimizer/loss settings.
+        ref_model_path: frozen reference model for the KL loss; defaults to
+            `model_path` (the initial policy). Loaded only when the KL loss is on.
+        process_group: data-parallel group; None = the default group if
+            torch.distributed is initialised, else a single process.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: TorchTrainerConfig | None = None,
+        *,
+        ref_model_path: str | Path | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config = config or TorchTrainerConfig()
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.group = process_group
+        self.model = load_causal_lm(model_path, cfg.dtype, cfg.device)
+        self.ref_model = None
+        if cfg.use_kl_loss:
+            self.ref_model = load_causal_lm(
+                ref_model_path or model_path, cfg.dtype, cfg.device
+            )
+            self.ref_model.requires_grad_(False)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.optimizer = build_optimizer(
+            self.model.parameters(),
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=tuple(cfg.betas),
+            eps=cfg.adam_eps,
+        )
+        self.scheduler = build_scheduler(
+            self.optimizer,
+            cfg.lr_schedule,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=cfg.total_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
+        self.step = 0
+        self._advantage_fn = registry.get_advantage_estimator(cfg.advantage_estimator)
+        self._policy_loss = registry.get_policy_loss(cfg.policy_loss)
+        self._agg = registry.get_loss_aggregator(cfg.loss_agg)
+        self._kl_fn = registry.get_kl_estimator(cfg.kl_estimator)
+
+    # ----------------------------------------------------------- distributed
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if self.distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if self.distributed else 1
+
+    def _all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        if self.distributed and self.world_size > 1:
+            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def _all_gather(self, obj: object) -> list:
+        if not (self.distributed and self.world_size > 1):
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    # ------------------------------------------------------------- log-probs
+    def _pack(self, samples: Sequence[Sample]) -> MicroBatch:
+        return pack(samples, self.pad_id, self.config.device)
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Log-prob (temperature 1) of every response token of every sample, under the current policy."""
+        result: list[list[float]] = []
+        for part in chunks(samples, self.config.micro_batch_size):
+            mb = self._pack(part)
+            logp, _ = forward_logprobs(self.model, mb)
+            result.extend(mb.response_lists(logp))
+        return result
+
+    # ------------------------------------------------------------ train step
+    def train_step(
+        self, samples: Sequence[Sample], advantages: Sequence[float] | None = None
+    ) -> dict[str, float]:
+        """One training step on this rank's shard of the step's samples.
+
+        Every rank of the group must call it (with its own, possibly empty,
+        shard). Advantages come from the configured estimator over the rewards
+        of all ranks' samples (groups may span ranks), unless `advantages`
+        (one per local sample, e.g. from an advantage worker) is given.
+
+        Returns:
+            Metrics, equal on all ranks: loss, pg_loss, kl_loss, kl, clipfrac,
+            entropy, tis_weight (if TIS), grad_norm, lr, num_tokens,
+            num_samples, reward_mean. Token-level ones are token-means over
+            the step; losses and grad_norm are means over its optimizer steps.
+        """
+        cfg = self.config
+        adv, step_info = self._step_advantages(samples, advantages)
+        bounds = shard_bounds(len(samples), cfg.num_mini_batches)
+        minis = [
+            self._prepare(samples[a:b], adv[a:b]) for a, b in zip(bounds, bounds[1:])
+        ]
+        lr = self.scheduler.get_last_lr()[0]
+        totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+        grad_norms = []
+        for _ in range(cfg.num_epochs):
+            for mini in minis:
+                sums, grad_norm = self._update(mini)
+                totals += sums
+                grad_norms.append(grad_norm)
+        self.scheduler.step()
+        self.step += 1
+        return self._metrics(
+            totals, len(minis) * cfg.num_epochs, grad_norms, lr, step_info
+        )
+
+    def _step_advantages(
+        self, samples: Sequence[Sample], given: Sequence[float] | None
+    ):
+        """Per-local-sample advantages and step-wide reward statistics."""
+        gathered = self._all_gather([(s.reward, s.group_id) for s in samples])
+        everything = [item for part in gathered for item in part]
+        rewards = torch.tensor([r for r, _ in everything], dtype=torch.float32)
+        info = {
+            "reward_mean": float(rewards.mean()) if len(everything) else 0.0,
+            "num_samples": float(len(everything)),
+        }
+        if given is not None:
+            if len(given) != len(samples):
+                raise ValueError(
+                    f"got {len(given)} advantages for {len(samples)} samples"
+                )
+            return torch.tensor(list(given), dtype=torch.float32), info
+        # Group ids may be any hashable; number them densely for the estimator.
+        numbering: dict = {}
+        group_ids = [numbering.setdefault(g, len(numbering)) for _, g in everything]
+        adv = self._advantage_fn(rewards, group_ids) if everything else rewards
+        offset = sum(len(part) for part in gathered[: self.rank])
+        return adv[offset : offset + len(samples)], info
+
+    @property
+    def _on_policy(self) -> bool:
+        """One update per step: logp_old is the update forward's own log-prob, detached.
+
+        The weights have not changed since the batch was packed, so a separate
+        no-grad forward would give exactly the same numbers; skipping it saves
+        a third of the step's compute.
+        """
+        return self.config.num_mini_batches == 1 and self.config.num_epochs == 1
+
+    @torch.no_grad()
+    def _prepare(self, samples: Sequence[Sample], adv: torch.Tensor) -> _Mini:
+        """Pack one mini-batch, compute logp_old (and logp_ref) and the global normalisers."""
+        cfg = self.config
+        micros = []
+        for start in range(0, len(samples), cfg.micro_batch_size):
+            part = samples[start : start + cfg.micro_batch_size]
+            mb = self._pack(part)
+            logp_old = None if self._on_policy else forward_logprobs(self.model, mb)[0]
+            logp_ref = (
+                forward_logprobs(self.ref_model, mb)[0]
+                if self.ref_model is not None
+                else None
+            )
+            a = adv[start : start + cfg.micro_batch_size].to(cfg.device)
+            micros.append(_Micro(mb, a, logp_old, logp_ref))
+        counts = torch.tensor(
+            [sum(m.mb.num_tokens for m in micros), float(len(samples))],
+            dtype=torch.float64,
+        )
+        max_len = torch.tensor(
+            [max([s.response_len for s in samples] + [0])], dtype=torch.float64
+        )
+        self._all_reduce(counts)
+        self._all_reduce(max_len, dist.ReduceOp.MAX)
+        norm_len = float(cfg.norm_len) if cfg.norm_len else float(max_len)
+        return _Mini(micros, float(counts[0]), float(counts[1]), norm_len)
+
+    def _update(self, mini: _Mini) -> tuple[torch.Tensor, float]:
+        """Accumulate gradients over the micro-batches, all-reduce, clip, step."""
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        for micro in mini.micros:
+            loss, parts = self._micro_loss(micro, mini)
+            loss.backward()
+            sums += parts
+        self._all_reduce_grads()
+        self._all_reduce(sums)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.optimizer.step()
+        return sums, grad_norm
+
+    def _micro_loss(
+        self, micro: _Micro, mini: _Mini
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's contribution to the mini-batch loss, and its metric sums."""
+        cfg, mb = self.config, micro.mb
+        logp, entropy = forward_logprobs(self.model, mb, with_entropy=True)
+        logp_old = logp.detach() if micro.logp_old is None else micro.logp_old
+        out = self._policy_loss(
+            logp,
+            logp_old,
+            micro.advantages.unsqueeze(-1),
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            dual_clip_c=cfg.dual_clip_c,
+        )
+        per_token = out.loss
+        mask = mb.loss_mask
+        weight = None
+        if cfg.tis_cap is not None:
+            weight = tis_weight(logp_old, mb.rollout_logprobs, cfg.tis_cap)
+            per_token = per_token * weight
+        norms = {
+            "global_tokens": mini.tokens,
+            "global_seqs": mini.seqs,
+            "norm_len": mini.norm_len,
+        }
+        pg_loss = self._agg(per_token, mask, **norms)
+        loss, kl_loss, kl_sum = pg_loss, torch.zeros(()), 0.0
+        if micro.logp_ref is not None:
+            kl = self._kl_fn(logp, micro.logp_ref)
+            kl_loss = self._agg(kl, mask, **norms)
+            loss = loss + cfg.kl_coef * kl_loss
+            kl_sum = float((kl.detach() * mask).sum())
+        return loss, self._metric_sums(
+            pg_loss, kl_loss, kl_sum, out.clipped, entropy, weight, mask
+        )
+
+    @staticmethod
+    def _metric_sums(
+        pg_loss, kl_loss, kl_sum, clipped, entropy, weight, mask
+    ) -> torch.Tensor:
+        """The micro-batch's entries of `_SUMS` (token sums for the token-mean diagnostics)."""
+        tis_sum = float((weight * mask).sum()) if weight is not None else 0.0
+        values = [
+            float(pg_loss.detach()),
+            float(kl_loss.detach()),
+            float((clipped * mask).sum()),
+        ]
+        values += [float((entropy * mask).sum()), kl_sum, tis_sum, float(mask.sum())]
+        return torch.tensor(values, dtype=torch.float64)
+
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks in one flat buffer (ranks with no samples contribute zeros)."""
+        if not (self.distributed and self.world_size > 1):
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def _metrics(
+        self,
+        totals: torch.Tensor,
+        updates: int,
+        grad_norms: list[float],
+        lr: float,
+        info: dict,
+    ) -> dict:
+        s = dict(zip(_SUMS, totals.tolist()))
+        tokens = max(s["tokens"], 1.0)
+        metrics = {
+            "loss": (s["pg_loss"] + self.config.kl_coef * s["kl_loss"]) / updates,
+            "pg_loss": s["pg_loss"] / updates,
+            "clipfrac": s["clipped"] / tokens,
+            "entropy": s["entropy"] / tokens,
+            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "lr": lr,
+            "num_tokens": s["tokens"]
+            / self.config.num_epochs,  # learned tokens in the step
+            **info,
+        }
+        if self.ref_model is not None:
+            metrics.update(kl_loss=s["kl_loss"] / updates, kl=s["kl"] / tokens)
+        if self.config.tis_cap is not None:
+            metrics["tis_weight"] = s["tis"] / tokens
+        return metrics
+
+    # --------------------------------------------------- sync and checkpoint
+    def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, detached tensor) for every parameter, as the engine loads them.
+
+        Names are the model's own `named_parameters()` names, i.e. the keys of
+        the HF safetensors checkpoint (tied weights appear once).
+        """
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
+
+    def state_dict(self) -> dict:
+        """Model, optimizer and scheduler state plus the step counter (for checkpointing)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (any subset of its keys)."""
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state.get("step", self.step))
