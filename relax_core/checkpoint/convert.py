@@ -1,0 +1,36 @@
+"""What `relax convert-ckpt` does: find the checkpoint, export it, optionally verify it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from relax_core.checkpoint.layout import TRACKER_FILENAME, CheckpointError
+
+
+def checkpoint_root(path: str | Path) -> Path:
+    """Accept the checkpoint folder itself or a run directory holding `checkpoints/`."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not (path / TRACKER_FILENAME).exists() and (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path
+
+
+def convert(ckpt: str | Path, out_dir: str | Path, *, iteration: int | None = None, verify: bool = False,
+            overwrite: bool = False) -> dict[str, Any]:
+    from relax_core.checkpoint.hf_export import export_hf
+
+    root = checkpoint_root(ckpt)
+    written = export_hf(root, Path(out_dir).expanduser(), iteration, overwrite=overwrite)
+    report: dict[str, Any] = {"out_dir": str(written), "iteration": iteration}
+    if verify:
+        from relax_core.checkpoint.hf_verify import verify_export
+
+        report |= verify_export(root, written, iteration)
+    if report["iteration"] is None:
+        from relax_core.checkpoint.layout import read_tracker
+
+        report["iteration"] = read_tracker(root)
+    return report

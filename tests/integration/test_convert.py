@@ -1,0 +1,143 @@
+"""Checkpoint -> Hugging Face conversion (what `relax convert-ckpt --verify` does).
+
+A tiny Qwen3 model (random weights, local char-level tokenizer) is changed
+in memory, so its weights differ from the HF directory it came from, and
+saved as a checkpoint together with an optimizer. The export must load with
+plain `transformers` and reproduce the in-memory model exactly; damaged
+checkpoints must fail with a CheckpointError that names the broken file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from relax_core.checkpoint.dcp import load_checkpoint, save_checkpoint
+from relax_core.checkpoint.hf_export import export_hf
+from relax_core.checkpoint.hf_verify import VerificationError, verify_export
+from relax_core.checkpoint.layout import CheckpointError
+from relax_core.models.tiny import materialize_tiny_model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint dir, source HF dir, the model as trained in memory)."""
+    root = tmp_path_factory.mktemp("convert")
+    hf_dir = materialize_tiny_model(root / "tiny", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # now the weights differ from hf_dir's model.safetensors
+    ckpt = root / "ckpt"
+    save_checkpoint(ckpt, 4, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 4}, hf_dir=hf_dir)
+    return ckpt, hf_dir, model.eval()
+
+
+def _logits(model, text_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=text_ids).logits
+
+
+def test_export_loads_with_transformers_and_matches_trained_model(trained, tmp_path):
+    ckpt, hf_dir, model = trained
+    out = export_hf(ckpt, tmp_path / "hf")
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    trained_sd, exported_sd = model.state_dict(), exported.state_dict()
+    assert trained_sd.keys() == exported_sd.keys()
+    for name in trained_sd:
+        assert torch.equal(trained_sd[name], exported_sd[name]), name
+    source = load_file(str(hf_dir / "model.safetensors"))
+    changed = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(source[changed], exported_sd[changed])  # the export took the trained weights
+
+    tokenizer, original = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(hf_dir)
+    chat = [{"role": "user", "content": "what is 2+3?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert ids == original.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    batch = torch.tensor([tokenizer(ids)["input_ids"]])
+    assert torch.equal(_logits(exported, batch), _logits(model, batch))
+
+    report = verify_export(ckpt, out)
+    assert report["iteration"] == 4 and report["max_abs_diff"] <= 1e-5
+    assert report["num_parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_sharded_export_writes_an_index_transformers_follows(trained, tmp_path):
+    ckpt, _, model = trained
+    out = export_hf(ckpt, tmp_path / "hf", shard_bytes=60_000)
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
+    assert set(index["weight_map"]) == set(model.state_dict())
+    for shard in shards:  # no shard above the limit unless it holds a single tensor
+        tensors = load_file(str(out / shard))
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= 60_000 or len(tensors) == 1
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    batch = torch.arange(20).unsqueeze(0)
+    assert torch.equal(_logits(exported, batch), _logits(model, batch))
+    assert verify_export(ckpt, out)["max_abs_diff"] <= 1e-5
+
+
+def test_verify_rejects_an_export_that_differs(trained, tmp_path):
+    ckpt, _, _ = trained
+    out = export_hf(ckpt, tmp_path / "hf")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.weight"] += 1e-3
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(VerificationError, match="logits differ"):
+        verify_export(ckpt, out)
+
+
+def test_export_refuses_to_overwrite_a_non_empty_dir(trained, tmp_path):
+    ckpt, _, _ = trained
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not empty"):
+        export_hf(ckpt, tmp_path / "hf")
+    assert export_hf(ckpt, tmp_path / "hf", overwrite=True).joinpath("model.safetensors").is_file()
+
+
+@pytest.fixture
+def damaged(trained, tmp_path) -> Path:
+    """A private copy of the checkpoint that a test may break."""
+    ckpt, _, _ = trained
+    return Path(shutil.copytree(ckpt, tmp_path / "ckpt"))
+
+
+def test_truncated_distcp_names_the_file(damaged, tmp_path):
+    data = damaged / "iter_0000004" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=str(data)):
+        export_hf(damaged, tmp_path / "hf")
+    with pytest.raises(CheckpointError, match=str(data)):
+        load_checkpoint(damaged, {"step": 0})
+    assert not (tmp_path / "hf").exists()
+
+
+def test_missing_metadata_names_the_file(damaged, tmp_path):
+    metadata = damaged / "iter_0000004" / ".metadata"
+    metadata.unlink()
+    with pytest.raises(CheckpointError, match=str(metadata)):
+        export_hf(damaged, tmp_path / "hf")
+
+
+def test_missing_checkpoint_dir_and_iteration(damaged, tmp_path):
+    with pytest.raises(CheckpointError, match=str(tmp_path / "absent")):
+        export_hf(tmp_path / "absent", tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="iter_0000009"):
+        export_hf(damaged, tmp_path / "hf", iteration=9)
+    shutil.rmtree(damaged / "hf_config")
+    with pytest.raises(CheckpointError, match=str(damaged / "hf_config" / "config.json")):
+        export_hf(damaged, tmp_path / "hf")
