@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from relax_cli import doctor, listing, recipes, validate
+from relax_cli import convert_ckpt, doctor, listing, logs, recipes, status, submit, validate
 
 app = typer.Typer(
     name="relax",
@@ -16,6 +16,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.command("submit")(submit.submit)
+app.command("status")(status.status)
+app.command("logs")(logs.logs)
+app.command("convert-ckpt")(convert_ckpt.convert_ckpt)
 app.command("validate")(validate.validate)
 app.command("recipes")(recipes.recipes)
 app.command("list")(listing.list_names)

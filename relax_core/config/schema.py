@@ -90,8 +90,8 @@ class SyntheticData(Section):
 
     source: Literal["synthetic"] = "synthetic"
     """Where prompts come from: `synthetic` (generated from a seed)."""
-    task: Literal["copy"] = "copy"
-    """Task: `copy` (repeat the given string)."""
+    task: Literal["copy", "reverse", "add"] = "copy"
+    """Task: `copy` (repeat the string), `reverse` (reverse it) or `add` (sum two numbers)."""
     min_len: int = Field(2, ge=1)
     """Shortest string in a prompt."""
     max_len: int = Field(3, ge=1)
@@ -200,7 +200,9 @@ class TrainCommon(Section):
     micro_batch_size: int = Field(8, ge=1)
     """Samples per forward/backward pass on one rank."""
     seed: int = Field(0, ge=0)
-    """Seed of the trainer's random state."""
+    """Seed of the trainer's random state and of the per-sample sampling seeds."""
+    weight_sync_bucket_mb: float = Field(512.0, gt=0.0)
+    """Size of one weight-sync bucket (MiB): tensors are broadcast to the engines bucket by bucket."""
 
 
 class TorchTrainConfig(TrainCommon):

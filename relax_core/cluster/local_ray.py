@@ -1,0 +1,61 @@
+"""A private Ray cluster on this machine, for the local executor.
+
+The cluster belongs to one run: token authentication with the token in the
+run's secrets folder (mode 0600), no dashboard, a short temp dir of its own
+(Unix socket paths are limited to 107 bytes), and explicit CPU counts. It is
+stopped with `ray.shutdown()`, which ends only the processes this driver
+started, never with `ray stop`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from relax_core.launch.rundir import RunDir
+
+TOKEN_NAME = "ray_token"
+OBJECT_STORE_BYTES = 512 * 1024**2  # samples and weights of small local runs; Ray would take 30 % of RAM
+
+
+def token_env(run: RunDir) -> dict[str, str]:
+    """Environment that makes Ray processes use the run's token."""
+    token = run.secrets / TOKEN_NAME
+    if not token.exists():
+        run.write_secret(TOKEN_NAME)
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
+def short_temp_dir(run: RunDir) -> Path:
+    """A short, private temp dir for Ray's sockets and logs."""
+    base = Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir()))
+    path = Path(tempfile.mkdtemp(prefix=f"rx{os.getuid()}-", dir=base))
+    os.chmod(path, 0o700)
+    return path
+
+
+def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | None = None) -> Path:
+    """Start a private single-node Ray cluster and connect this process to it."""
+    os.environ.update(token_env(run))  # before Ray reads its configuration
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    import ray
+    temp_dir = short_temp_dir(run)
+    ray.init(
+        num_cpus=num_cpus,
+        resources=resources or {},
+        include_dashboard=False,
+        _temp_dir=str(temp_dir),
+        log_to_driver=False,
+        configure_logging=False,
+        namespace=run.path.name,
+        object_store_memory=OBJECT_STORE_BYTES,
+    )
+    return temp_dir
+
+
+def stop_local_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,143 @@
+"""The processes the controller places with Ray: trainer ranks and engine servers.
+
+`TrainerWorker` is one data-parallel rank of the torch backend (rank 0 also
+owns the weight broadcaster). `EngineWorker` starts one rollout engine server
+(the CPU engine here, SGLang on GPU nodes) as a child process, waits until it
+is healthy, and stops it by PID. Both are plain classes; the controller wraps
+them with `ray.remote` and places them with the `relax_train` /
+`relax_rollout` resources.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ENGINE_READY_TIMEOUT_S = 300.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class TrainerWorker:
+    """One data-parallel training rank."""
+
+    def __init__(self, rank: int, world_size: int, master: str, model_dir: str, config, threads: int):
+        import torch
+        import torch.distributed as dist
+
+        from relax_core.train.torch_backend import TorchTrainer
+
+        torch.set_num_threads(threads)
+        if world_size > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
+        self.rank, self.model_dir = rank, model_dir
+        self.trainer = TorchTrainer(model_dir, config)
+        self.loop = asyncio.new_event_loop()
+        self.broadcaster = None
+
+    def ready(self) -> int:
+        return self.rank
+
+    def train_step(self, samples: list) -> dict[str, float]:
+        return self.trainer.train_step(samples)
+
+    def connect_engines(self, urls: list[str], api_key: str, host: str, bucket_bytes: int) -> None:
+        """Rank 0: form the weight-update group with every engine."""
+        from relax_core.rollout.client import EngineClient
+        from relax_core.weights.sync import WeightBroadcaster
+
+        clients = [EngineClient(url, api_key=api_key) for url in urls]
+        self.broadcaster = WeightBroadcaster(clients, host, free_port(host), backend="gloo", bucket_bytes=bucket_bytes)
+        self.loop.run_until_complete(self.broadcaster.init())
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Rank 0: broadcast the current weights to every engine as `version`."""
+        if self.broadcaster is None:
+            return {}
+        stats = self.loop.run_until_complete(
+            self.broadcaster.broadcast(self.trainer.named_parameters_for_sync(), version)
+        )
+        return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets)}
+
+    def save_checkpoint(self, ckpt_dir: str, iteration: int, extra: dict[str, Any], keep_last: int) -> str:
+        from relax_core.checkpoint import save_checkpoint
+
+        state = {**self.trainer.state_dict(), "progress": extra}
+        return str(save_checkpoint(ckpt_dir, iteration, state, keep_last=keep_last, hf_dir=self.model_dir))
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict[str, Any]:
+        """Load the latest checkpoint into this rank; returns the saved progress."""
+        from relax_core.checkpoint import load_checkpoint
+
+        state = {**self.trainer.state_dict(), "progress": {}}
+        load_checkpoint(ckpt_dir, state)
+        self.trainer.load_state_dict({k: v for k, v in state.items() if k != "progress"})
+        return state["progress"]
+
+    def close(self) -> None:
+        if self.broadcaster is not None:
+            self.loop.run_until_complete(self.broadcaster.close())
+
+
+class EngineWorker:
+    """Starts one engine server process and stops it by PID."""
+
+    def __init__(self, index: int, model_dir: str, host: str, log_path: str, api_key: str,
+                 threads: int, seed: int, max_running_requests: int):
+        self.host, self.port = host, free_port(host)
+        self.log_path = Path(log_path)
+        command = [
+            sys.executable, "-m", "relax_core.rollout.cpu_engine", "--model-path", model_dir, "--host", host,
+            "--port", str(self.port), "--num-threads", str(threads),
+            "--seed", str(seed + index), "--max-running-requests", str(max_running_requests), "--weight-version", "0",
+        ]
+        # The key travels in the environment, which other users cannot read (unlike the command line).
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def wait_ready(self, timeout_s: float = ENGINE_READY_TIMEOUT_S) -> str:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with code {self.proc.returncode}; see {self.log_path}:\n"
+                                   f"{self._log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self.url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"engine not healthy after {timeout_s:.0f}s; see {self.log_path}")
+
+    def _log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,112 @@
+"""Checks run by `relax submit` before anything is written or started.
+
+The schema has already checked the recipe's shape; these check that the run
+can work on the executor it will use: the names it uses exist, the batch fits
+the model's context, and the backends it asks for are available there. Every
+problem is a `RecipeError` (exit code 2) that says what to change.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from relax_core.config.checks import looks_like_hub_id, reference_problems
+from relax_core.config.schema import HFModel, PPOConfig, Recipe, SyntheticData, TinyModel
+from relax_core.errors import RecipeError
+from relax_core.models.tiny import TEMPLATE_CHARS
+
+IMPLEMENTED_MODES = ("colocate",)
+# Chat-template tokens around one user turn with the tiny tokenizer (one token per
+# character, one per special token): "<|im_start|>user\n" ... "<|im_end|>\n<|im_start|>assistant\n".
+_TINY_TEMPLATE_TOKENS = 1 + 5 + 1 + 1 + 1 + 10
+
+
+def resolve_executor(recipe: Recipe) -> str:
+    if recipe.cluster.executor != "auto":
+        return recipe.cluster.executor
+    return "slurm" if shutil.which("sbatch") else "local"
+
+
+def preflight(recipe: Recipe, recipe_path: str | Path, executor: str) -> None:
+    problems = reference_problems(recipe) + _reward_problems(recipe) + _context_problems(recipe)
+    problems += _feature_problems(recipe)
+    if executor == "local":
+        problems += _local_problems(recipe)
+    elif executor == "slurm":
+        problems.append("cluster.executor: the Slurm executor is not available in this version; use --executor local")
+    if problems:
+        lines = "\n".join(f"  {p}" for p in problems)
+        raise RecipeError(f"{recipe_path}: cannot run this recipe ({len(problems)} problem(s)); nothing was started\n{lines}")
+
+
+def _reward_problems(recipe: Recipe) -> list[str]:
+    from relax_core.rewards.registry import list_rewards
+
+    names = list_rewards()
+    if recipe.reward.name in names:
+        return []
+    return [f"reward.name: no reward called '{recipe.reward.name}' (available: {', '.join(names)})"]
+
+
+def model_context_length(recipe: Recipe) -> int | None:
+    """The model's maximum sequence length, when it can be known on this machine."""
+    model = recipe.model
+    if isinstance(model, TinyModel):
+        return 512
+    if isinstance(model, HFModel) and not looks_like_hub_id(model.path):
+        config = Path(model.path).expanduser() / "config.json"
+        if config.is_file():
+            data = json.loads(config.read_text())
+            text_config = data.get("text_config", data)
+            return text_config.get("max_position_embeddings")
+    return None
+
+
+def _context_problems(recipe: Recipe) -> list[str]:
+    ro, problems = recipe.rollout, []
+    limit = model_context_length(recipe)
+    if limit and ro.max_prompt_len + ro.max_new_tokens > limit:
+        problems.append(
+            f"rollout.max_new_tokens: max_prompt_len ({ro.max_prompt_len}) + max_new_tokens ({ro.max_new_tokens}) "
+            f"exceeds the model's context of {limit} tokens"
+        )
+    data = recipe.data
+    if isinstance(data, SyntheticData) and isinstance(recipe.model, TinyModel):
+        missing = sorted(set(data.symbols + ("0123456789+=" if data.task == "add" else "")) -
+                         set(recipe.model.alphabet + TEMPLATE_CHARS))
+        if missing:
+            problems.append(f"model.alphabet: the task uses characters the tokenizer lacks: {''.join(missing)!r}")
+        longest = _TINY_TEMPLATE_TOKENS + (2 * data.max_len + 2 if data.task == "add" else data.max_len)
+        if longest > ro.max_prompt_len:
+            problems.append(f"rollout.max_prompt_len: prompts of the task are up to {longest} tokens; raise it")
+    return problems
+
+
+def _feature_problems(recipe: Recipe) -> list[str]:
+    problems = []
+    if recipe.mode not in IMPLEMENTED_MODES:
+        problems.append(f"mode: {recipe.mode} is not available in this version of Relax; use mode: colocate")
+    if isinstance(recipe.algorithm, PPOConfig):
+        problems.append("algorithm.name: ppo (critic training) is not available in this version of Relax; use grpo")
+    return problems
+
+
+def _local_problems(recipe: Recipe) -> list[str]:
+    problems = []
+    if recipe.cluster.train.nodes + recipe.cluster.rollout.nodes > 1:
+        problems.append("cluster.train.nodes: the local executor runs on this one machine; use 1 node (or Slurm)")
+    if recipe.rollout.engine == "sglang" and not _has_cuda():
+        problems.append("rollout.engine: sglang needs a GPU; on this machine use rollout.engine=cpu rollout.gpus_per_engine=0")
+    if recipe.train.backend == "megatron":
+        problems.append("train.backend: the megatron backend runs on GPU nodes; on this machine use train.backend=torch")
+    return problems
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()

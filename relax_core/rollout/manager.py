@@ -1,0 +1,105 @@
+"""The rollout manager: prompts in, scored `Sample`s out.
+
+For each step it encodes the prompts with the chat template, asks the
+engines for `n_samples_per_prompt` responses each (all samples of a prompt go
+to the same engine, so its prefix cache serves the group), scores every
+response with the reward, and returns one `Sample` per response with the
+engine's log-probs and weight version. Every sample gets its own sampling
+seed derived from (run seed, step, index), so a resumed run draws exactly
+the samples the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from relax_core.data.prompts import encode_prompt
+from relax_core.rollout.client import EngineClient, parse_generate_output
+from relax_core.rollout.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SamplingConfig:
+    n_samples_per_prompt: int
+    max_new_tokens: int
+    max_prompt_len: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_request_batch: int = 64
+    seed: int = 0
+
+
+def sample_seed(seed: int, step: int, index: int) -> int:
+    """A 31-bit sampling seed unique to (run seed, step, sample index)."""
+    return ((seed * 1_000_003 + step) * 100_003 + index) % (2**31 - 1)
+
+
+class RolloutManager:
+    def __init__(self, clients: list[EngineClient], tokenizer, sampling: SamplingConfig,
+                 reward_fn: Callable[[str, Any, dict], float], system_prompt: str | None = None):
+        self.clients, self.tokenizer, self.sampling = clients, tokenizer, sampling
+        self.reward_fn, self.system_prompt = reward_fn, system_prompt
+        self.dropped_prompts = 0
+
+    async def generate(self, rows: list[dict[str, Any]], step: int) -> list[Sample]:
+        """Responses to `rows` (dicts with prompt, label, metadata), scored."""
+        prompts = self._encode(rows)
+        per_engine: list[list[tuple[int, list[int]]]] = [[] for _ in self.clients]
+        for position, (row_index, ids) in enumerate(prompts):
+            per_engine[position % len(self.clients)].append((row_index, ids))
+        groups = await asyncio.gather(*(self._on_engine(c, items, step) for c, items in zip(self.clients, per_engine)))
+        by_row = dict(pair for group in groups for pair in group)
+        samples: list[Sample] = []
+        for row_index, _ in prompts:
+            samples += self._score(by_row[row_index], rows[row_index], group_id=step * 1_000_000 + row_index)
+        return samples
+
+    def _encode(self, rows: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
+        encoded = []
+        for index, row in enumerate(rows):
+            ids = encode_prompt(self.tokenizer, row["prompt"], self.system_prompt)
+            if len(ids) > self.sampling.max_prompt_len:
+                self.dropped_prompts += 1
+                log.warning("dropped a prompt of %d tokens (rollout.max_prompt_len=%d)",
+                            len(ids), self.sampling.max_prompt_len)
+                continue
+            encoded.append((index, ids))
+        return encoded
+
+    async def _on_engine(self, client: EngineClient, items: list[tuple[int, list[int]]], step: int):
+        """Generate n responses for each prompt in `items` on one engine."""
+        n = self.sampling.n_samples_per_prompt
+        flat = [(row, ids, row * n + k) for row, ids in items for k in range(n)]
+        size = self.sampling.max_request_batch
+        chunks = [flat[i:i + size] for i in range(0, len(flat), size)]
+        outputs = await asyncio.gather(*(self._request(client, chunk, step) for chunk in chunks))
+        results: dict[int, list] = {}
+        for chunk, chunk_out in zip(chunks, outputs):
+            for (row, ids, _), out in zip(chunk, chunk_out):
+                results.setdefault(row, []).append((ids, out))
+        return list(results.items())
+
+    async def _request(self, client: EngineClient, chunk, step: int):
+        s = self.sampling
+        params = [{"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                   "top_k": s.top_k, "sampling_seed": sample_seed(s.seed, step, index)} for _, _, index in chunk]
+        raw = await client.generate([ids for _, ids, _ in chunk], sampling_params=params, return_logprob=True)
+        return [parse_generate_output(item) for item in (raw if isinstance(raw, list) else [raw])]
+
+    def _score(self, responses, row: dict[str, Any], group_id: int) -> list[Sample]:
+        samples = []
+        for prompt_ids, out in responses:
+            metadata = row.get("metadata") or {}
+            samples.append(Sample(
+                prompt_ids=list(prompt_ids), response_ids=out.output_ids, rollout_logprobs=out.logprobs,
+                reward=float(self.reward_fn(out.text, row.get("label"), metadata)), group_id=group_id,
+                policy_version=out.policy_version, label=row.get("label"), metadata=metadata,
+                finish_reason=out.finish_reason,
+            ))
+        return samples

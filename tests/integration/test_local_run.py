@@ -1,0 +1,177 @@
+"""`relax submit` on this machine, as a user runs it: the whole loop over real Ray,
+real engine servers, real gloo weight sync and real checkpoints.
+
+- the quick start learns (reward up by >= 0.6), leaves metrics, TensorBoard
+  events, logs and checkpoints; status/logs/convert-ckpt work on the run;
+- resuming is exact: 2K steps == K steps + K resumed steps, bit for bit;
+- mistakes are caught before any process starts (exit 2, nothing written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+REQUIRED = ("step", "reward_mean", "response_len_mean", "rollout_s", "train_s", "sync_s", "policy_version")
+
+
+def relax(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    """One full quick-start run, shared by the tests that inspect it."""
+    cwd = tmp_path_factory.mktemp("quickstart")
+    proc = relax("submit", str(QUICKSTART), "--executor", "local", "--run-dir", "runs/qs", cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return cwd, cwd / "runs" / "qs", proc
+
+
+@pytest.mark.slow
+def test_quickstart_learns_the_task(quickstart_run):
+    _, run, proc = quickstart_run
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = yaml_steps()
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(key in rows[0] for key in REQUIRED)
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    print(f"quick start reward_mean first 5: {first:.3f}, last 5: {last:.3f}")
+    assert last - first >= 0.6
+    assert [r["policy_version"] for r in rows] == [r["step"] for r in rows]
+    assert "step 1/" in proc.stdout and f"step {steps}/{steps}" in proc.stdout  # live progress lines
+
+
+def yaml_steps() -> int:
+    import yaml
+
+    return yaml.safe_load(QUICKSTART.read_text())["train"]["steps"]
+
+
+@pytest.mark.slow
+def test_run_directory_holds_everything(quickstart_run):
+    _, run, _ = quickstart_run
+    assert (run / "recipe.yaml").is_file()
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert "step 1/" in (run / "logs" / "driver.log").read_text()
+    assert (run / "logs" / "engine-0.log").is_file()
+    ckpts = run / "checkpoints"
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == str(yaml_steps())
+    assert (ckpts / f"iter_{yaml_steps():07d}" / ".metadata").is_file()
+    assert len(list(ckpts.glob("iter_*"))) <= 2  # keep_last: 2 in the recipe
+    secrets = run / "secrets"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o700"
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in secrets.iterdir())
+
+
+@pytest.mark.slow
+def test_status_and_logs_of_the_finished_run(quickstart_run):
+    cwd, run, _ = quickstart_run
+    status = json.loads(relax("status", "qs", "--json", cwd=cwd).stdout)  # a run name under ./runs
+    assert status["state"] == "completed" and status["step"] == yaml_steps()
+    assert status["latest_checkpoint"] == yaml_steps()
+    newest = json.loads(relax("status", "--json", cwd=cwd).stdout)  # default: the newest run under ./runs
+    assert newest["run_dir"] == str(run.resolve())
+    assert relax("status", "no-such-run", cwd=cwd).returncode == 2
+    logs = relax("logs", str(run), "-f", cwd=cwd, timeout=60)  # a finished run: -f returns
+    assert logs.returncode == 0 and f"step {yaml_steps()}/" in logs.stdout
+
+
+@pytest.mark.slow
+def test_convert_ckpt_verify_and_load_with_transformers(quickstart_run, tmp_path):
+    cwd, run, _ = quickstart_run
+    out = tmp_path / "hf"
+    proc = relax("convert-ckpt", str(run / "checkpoints"), "--out", str(out), "--verify", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert "verified" in proc.stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "abc"}], add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    assert model(torch.tensor([ids])).logits.shape[-1] == len(tokenizer)
+    assert (out / "generation_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_convert_ckpt_refuses_damaged_or_missing_checkpoints(quickstart_run, tmp_path):
+    import shutil
+
+    cwd, run, _ = quickstart_run
+    broken = tmp_path / "ckpt"
+    shutil.copytree(run / "checkpoints", broken)
+    data_file = next((broken / f"iter_{yaml_steps():07d}").glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])
+    proc = relax("convert-ckpt", str(broken), "--out", str(tmp_path / "o1"), "--verify", cwd=cwd)
+    assert proc.returncode == 2 and data_file.name in proc.stderr
+    proc = relax("convert-ckpt", str(tmp_path / "nothing"), "--out", str(tmp_path / "o2"), cwd=cwd)
+    assert proc.returncode == 2 and "nothing" in proc.stderr
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "checkpoint.interval=2",
+         "checkpoint.keep_last=5", "logging.tensorboard=false"]
+
+
+def final_weights(run: Path, tmp: Path, iteration: int) -> dict[str, torch.Tensor]:
+    from relax_core.checkpoint import export_hf
+
+    out = export_hf(run / "checkpoints", tmp / f"{run.name}-hf", iteration)
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_resume_is_exact(tmp_path):
+    straight = relax("submit", str(QUICKSTART), "train.steps=4", *SMALL, "--executor", "local",
+                     "--run-dir", "straight", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = relax("submit", str(QUICKSTART), "train.steps=2", *SMALL, "--executor", "local",
+                  "--run-dir", "resumed", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = relax("submit", str(QUICKSTART), "train.steps=4", *SMALL, "--executor", "local",
+                   "--run-dir", "resumed", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "step 3/4" in second.stdout and "step 1/4" not in second.stdout  # it continued, not restarted
+
+    a = final_weights(tmp_path / "straight", tmp_path, 4)
+    b = final_weights(tmp_path / "resumed", tmp_path, 4)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    (tmp_path / "mid").mkdir()
+    middle = final_weights(tmp_path / "straight", tmp_path / "mid", 2)
+    assert any(not torch.equal(middle[n], a[n]) for n in a)  # the last two steps did change the weights
+    rows_a = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_mean"] for r in rows_a] == [r["reward_mean"] for r in rows_b]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model={path: /nonexistent/model}"], ["model.path", "/nonexistent/model"]),
+        (["reward.name=no_such_reward"], ["reward.name", "no_such_reward", "copy"]),
+        (["rollout.max_new_tokens=600"], ["rollout.max_new_tokens", "context"]),
+        (["rollout.prompts_per_step=3", "rollout.n_samples_per_prompt=1", "train.cpu_ranks_per_node=2"],
+         ["rollout.prompts_per_step", "data-parallel"]),
+    ],
+)
+def test_bad_input_fails_before_anything_starts(tmp_path, overrides, words):
+    proc = relax("submit", str(QUICKSTART), *overrides, "--executor", "local", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for word in words:
+        assert word in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory, nothing started
