@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from relax_cli import convert_ckpt, doctor, listing, logs, recipes, status, submit, validate
+from relax_cli import cancel, convert_ckpt, doctor, listing, logs, recipes, status, submit, validate
 
 app = typer.Typer(
     name="relax",
@@ -19,6 +19,7 @@ app = typer.Typer(
 app.command("submit")(submit.submit)
 app.command("status")(status.status)
 app.command("logs")(logs.logs)
+app.command("cancel")(cancel.cancel)
 app.command("convert-ckpt")(convert_ckpt.convert_ckpt)
 app.command("validate")(validate.validate)
 app.command("recipes")(recipes.recipes)

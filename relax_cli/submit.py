@@ -17,14 +17,22 @@ def submit(
     run_dir: Path = typer.Option(None, "--run-dir", help="Run directory; an existing one resumes from its latest checkpoint."),
 ) -> None:
     """Run a recipe: locally on this machine, or as a Slurm job."""
-    from relax_core.launch.submit import prepare, record
+    from relax_core.launch.submit import launch_slurm, prepare, record
 
     sub = prepare(recipe, overrides or [], executor, run_dir)
     record(sub)
-    out.print(f"run directory: {sub.run.path}", markup=False)
     if dry_run:
         sub.run.update_state(state="dry-run")
-        out.print(f"dry run: checked and recorded; {sub.executor} executor would start {sub.recipe.name}", markup=False)
+        if sub.job_script is not None:
+            out.print(sub.job_script, markup=False, end="")
+        out.print(f"run directory: {sub.run.path}", markup=False)
+        out.print(f"dry run: checked and recorded; the {sub.executor} executor would start {sub.recipe.name}",
+                  markup=False)
+        return
+    out.print(f"run directory: {sub.run.path}", markup=False)
+    if sub.executor == "slurm":
+        job_id = launch_slurm(sub)
+        out.print(f"submitted Slurm job {job_id}; follow it with: relax status {sub.run.path}", markup=False)
         return
     from relax_core.launch.local import run_local
 

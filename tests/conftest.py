@@ -19,3 +19,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+from slurm_cluster import mark_slurm_tests, slurm_cluster  # noqa: E402,F401  (session fixture)
+
+
+def pytest_collection_modifyitems(config, items):
+    mark_slurm_tests(items)

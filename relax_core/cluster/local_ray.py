@@ -38,6 +38,7 @@ def short_temp_dir(run: RunDir) -> Path:
 def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | None = None) -> Path:
     """Start a private single-node Ray cluster and connect this process to it."""
     os.environ.update(token_env(run))  # before Ray reads its configuration
+    os.environ["RELAX_NODE_IP"] = "127.0.0.1"  # engines and rendezvous bind to loopback only
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
     temp_dir = short_temp_dir(run)

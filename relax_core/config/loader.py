@@ -122,6 +122,9 @@ def format_validation_error(
     for err in errors[:MAX_ERRORS_SHOWN]:
         field_path, model = resolve_location(err["loc"])
         dotted = ".".join(field_path)
+        if not dotted and err["type"] == "value_error":  # cross-field checks name their fields themselves
+            lines += [f"  {problem}" for problem in _explain(err, field_path, model).split("; ")]
+            continue
         where = _where(dotted, path, text, override_sources)
         lines.append(f"  {dotted or '(recipe)'}{where}: {_explain(err, field_path, model)}")
     if len(errors) > MAX_ERRORS_SHOWN:

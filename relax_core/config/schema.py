@@ -334,6 +334,8 @@ class NodeGroup(Section):
     """CPU cores per node."""
     mem: str | None = Field(None, pattern=r"^\d+[KMGT]?$")
     """Memory per node as Slurm writes it (e.g. `480G`); the partition default if unset."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables set for this group's processes (e.g. NCCL settings of a partition)."""
 
     @property
     def gpus(self) -> int:
@@ -363,6 +365,8 @@ class SlurmConfig(Section):
     """Shell lines run before anything starts (module load, environment activation)."""
     signal_before_end_s: int = Field(300, ge=30)
     """Seconds before the time limit at which Relax checkpoints and requeues."""
+    startup_timeout_s: float = Field(300.0, ge=5.0)
+    """How long the job waits for every node to join its Ray cluster before it fails, naming the missing ones."""
 
     @field_validator("time")
     @classmethod
@@ -398,7 +402,7 @@ class ClusterConfig(Section):
     train: NodeGroup = Field(default_factory=NodeGroup)
     """Training node group (het group 0)."""
     rollout: NodeGroup = Field(default_factory=lambda: NodeGroup(nodes=0))
-    """Rollout node group (het group 1); empty in colocate mode."""
+    """Rollout node group (het group 1); may stay empty in colocate mode (engines then share the training nodes)."""
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     """Slurm options."""
     container: ContainerConfig = Field(default_factory=ContainerConfig)
@@ -449,7 +453,8 @@ class Recipe(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """Reward."""
     mode: Literal["colocate", "fully_async", "hybrid"] = "colocate"
-    """`colocate` (share devices, on-policy), `fully_async` or `hybrid` (separate rollout group)."""
+    """`colocate` (rollout and training take turns, on-policy; engines share the training nodes unless
+    a rollout group is given), `fully_async` or `hybrid` (separate rollout group, concurrent)."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Nodes, Slurm, container."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -484,15 +489,14 @@ class Recipe(Section):
 
 
 def _mode_problems(r: Recipe) -> list[str]:
-    rollout_nodes = r.cluster.rollout.nodes
-    if r.mode == "colocate" and rollout_nodes:
-        return [
-            f"cluster.rollout.nodes: colocate mode shares the training nodes, so the rollout group "
-            f"must be empty (got {rollout_nodes}); set mode: fully_async to use separate rollout nodes"
-        ]
-    if r.mode != "colocate" and not rollout_nodes:
+    if r.mode != "colocate" and not r.cluster.rollout.nodes:
         return [f"cluster.rollout.nodes: mode {r.mode} needs a rollout node group (set it to 1 or more)"]
     return []
+
+
+def rollout_group_name(r: Recipe) -> str:
+    """Where the engines run: the rollout group if there is one, else (colocate) the training group."""
+    return "rollout" if r.cluster.rollout.nodes else "train"
 
 
 def _engine_problems(r: Recipe) -> list[str]:
@@ -503,7 +507,7 @@ def _engine_problems(r: Recipe) -> list[str]:
         return []
     if ro.gpus_per_engine < 1:
         return ["rollout.gpus_per_engine: the sglang engine needs at least 1 GPU per engine"]
-    group_name = "train" if r.mode == "colocate" else "rollout"
+    group_name = rollout_group_name(r)
     group = getattr(r.cluster, group_name)
     needed = ro.num_engines * ro.gpus_per_engine
     if needed > group.gpus:

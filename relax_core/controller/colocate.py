@@ -5,6 +5,7 @@
         metrics  = one training step on them
         weights  -> every engine, now version k
         log; checkpoint every `checkpoint.interval` steps and at the end
+        preempted (job.stop set)? checkpoint now and return "stopped"
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from relax_core.controller.job import Job, timed
 from relax_core.rollout.types import Sample
 
 
-def train_colocate(job: Job) -> None:
+def train_colocate(job: Job) -> str:
     total = job.recipe.train.steps
     start = job.resume()
     for step in range(start + 1, total + 1):
@@ -26,6 +27,11 @@ def train_colocate(job: Job) -> None:
                 | train_metrics | sync_stats)
         if step % job.recipe.checkpoint.interval == 0 or step == total:
             job.checkpoint(step)
+        elif job.stop.is_set():
+            job.checkpoint(step)
+        if job.stop.is_set():
+            return "stopped"
+    return "completed"
 
 
 def step_metrics(samples: list[Sample], rollout_s: float, train_s: float, sync_s: float, version: int) -> dict:

@@ -1,14 +1,18 @@
-"""The driver: brings a run up, runs its training loop, and always tears it down.
+"""The driver: runs a job's training loop on a Ray cluster that is already up.
 
-    model dir, Ray, engines, trainers   (Job)
-    train_<mode>(job)                   (the loop)
-    stop engines and trainers, stop Ray
+    Job (model dir, engines, trainers)  ->  train_<mode>(job)  ->  stop everything it started
+
+`run_local` brings up a private Ray cluster on this machine first; on Slurm
+the batch step (`relax_core.cluster.slurm_job`) brings up the cluster across
+the allocation and then calls `run_job`.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
+import threading
 
 from relax_core.config.schema import Recipe
 from relax_core.launch.rundir import RunDir
@@ -24,22 +28,34 @@ def setup_logging(run: RunDir) -> None:
     root.addHandler(handler)
 
 
-def run_driver(recipe: Recipe, run: RunDir, console=None) -> None:
-    import importlib
+def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None) -> str:
+    """Run the training loop to the end, or until `stop` is set (then checkpoint).
 
-    from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
+    Returns:
+        "completed", or "stopped" when `stop` ended the run early.
+    """
     from relax_core.controller.job import Job
 
-    setup_logging(run)
     module, _, name = LOOPS[recipe.mode].partition(":")
     train_loop = getattr(importlib.import_module(module), name)
-    cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines)
-    start_local_ray(run, num_cpus=cpus)
-    job = None
+    job = Job(recipe, run, console, stop=stop)
     try:
-        job = Job(recipe, run, console)
-        train_loop(job)
+        return train_loop(job)
     finally:
-        if job is not None:
-            job.close()
+        job.close()
+
+
+def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
+    """The local executor's driver: a private Ray cluster on this machine, then the job."""
+    from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
+    from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+
+    setup_logging(run)
+    cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines)
+    slots = {TRAIN_RESOURCE: recipe.train_ranks,
+             ROLLOUT_RESOURCE: recipe.rollout.num_engines * max(recipe.rollout.gpus_per_engine, 1)}
+    start_local_ray(run, num_cpus=cpus, resources=slots)
+    try:
+        return run_job(recipe, run, console)
+    finally:
         stop_local_ray()

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from typing import Any
 
+from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 from relax_core.config.schema import FileData, Recipe
 from relax_core.controller import setup
-from relax_core.controller.workers import EngineWorker, TrainerWorker, free_port
+from relax_core.controller.workers import EngineWorker, TrainerWorker
 from relax_core.launch.rundir import RunDir
 from relax_core.rollout.types import Sample
 
@@ -25,14 +27,15 @@ ENGINE_KEY = "engine_api_key"
 
 
 class Job:
-    def __init__(self, recipe: Recipe, run: RunDir, console=None, host: str = "127.0.0.1"):
+    def __init__(self, recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None):
         import ray
         from transformers import AutoTokenizer
 
         from relax_core.data.prompts import build_prompt_source
         from relax_core.metrics.tracker import MetricsTracker
 
-        self.recipe, self.run, self.host = recipe, run, host
+        self.recipe, self.run = recipe, run
+        self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
         self.loop = asyncio.new_event_loop()
         self.model_dir = setup.prepare_model_dir(recipe, run)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -65,9 +68,10 @@ class Job:
         ro = self.recipe.rollout
         self.run.write_secret(ENGINE_KEY)
         key = self.run.secret(ENGINE_KEY)
-        actor = self._ray.remote(num_cpus=0)(EngineWorker)
+        slot = {ROLLOUT_RESOURCE: max(ro.gpus_per_engine, 1)}
+        actor = self._ray.remote(num_cpus=0, num_gpus=ro.gpus_per_engine, resources=slot)(EngineWorker)
         self.engines = [
-            actor.remote(i, str(self.model_dir), self.host, str(self.run.logs / f"engine-{i}.log"), key,
+            actor.remote(i, str(self.model_dir), str(self.run.logs / f"engine-{i}.log"), key,
                          self._threads(), self.recipe.train.seed, ro.max_concurrency)
             for i in range(ro.num_engines)
         ]
@@ -75,12 +79,12 @@ class Job:
 
     def _start_trainers(self) -> list:
         world = self.recipe.train_ranks
-        threads = self._threads()
-        master = f"{self.host}:{free_port(self.host)}"
-        actor = self._ray.remote(num_cpus=0)(TrainerWorker)
+        gpus = 1 if self.recipe.cluster.train.gpus_per_node else 0
+        actor = self._ray.remote(num_cpus=0, num_gpus=gpus, resources={TRAIN_RESOURCE: 1})(TrainerWorker)
+        self.trainers = [actor.remote(r, world) for r in range(world)]
+        master = self._ray.get(self.trainers[0].rendezvous_address.remote())
         config = setup.trainer_config(self.recipe)
-        self.trainers = [actor.remote(r, world, master, str(self.model_dir), config, threads) for r in range(world)]
-        return [t.ready.remote() for t in self.trainers]
+        return [t.setup.remote(master, str(self.model_dir), config, self._threads()) for t in self.trainers]
 
     def _connect(self) -> None:
         from relax_core.rewards.registry import get_reward
@@ -89,7 +93,7 @@ class Job:
 
         key = self.run.secret(ENGINE_KEY)
         bucket = int(self.recipe.train.weight_sync_bucket_mb * 2**20)
-        self._ray.get(self.trainers[0].connect_engines.remote(self.engine_urls, key, self.host, bucket))
+        self._ray.get(self.trainers[0].connect_engines.remote(self.engine_urls, key, bucket))
         clients = [EngineClient(url, api_key=key) for url in self.engine_urls]
         system = self.recipe.data.system_prompt if isinstance(self.recipe.data, FileData) else None
         self.rollout_manager = RolloutManager(clients, self.tokenizer, setup.sampling_config(self.recipe),

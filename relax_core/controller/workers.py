@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,36 +29,62 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class TrainerWorker:
-    """One data-parallel training rank."""
+def node_ip() -> str:
+    """The address this node's servers bind to: the one the node was started with
+    (RELAX_NODE_IP, set by the executor for every Ray node), else Ray's view."""
+    if os.environ.get("RELAX_NODE_IP"):
+        return os.environ["RELAX_NODE_IP"]
+    import ray
 
-    def __init__(self, rank: int, world_size: int, master: str, model_dir: str, config, threads: int):
+    return ray.util.get_node_ip_address()
+
+
+def collective_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+class TrainerWorker:
+    """One data-parallel training rank; `setup` joins the group and loads the model."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self.loop = asyncio.new_event_loop()
+        self.broadcaster = None
+        self.trainer = None
+
+    def rendezvous_address(self) -> str:
+        """Rank 0: an address:port on its node for the data-parallel group."""
+        host = node_ip()
+        return f"{host}:{free_port(host)}"
+
+    def setup(self, master: str, model_dir: str, config, threads: int) -> int:
         import torch
         import torch.distributed as dist
 
         from relax_core.train.torch_backend import TorchTrainer
 
         torch.set_num_threads(threads)
-        if world_size > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
-        self.rank, self.model_dir = rank, model_dir
+        if self.world_size > 1:
+            dist.init_process_group(collective_backend(), init_method=f"tcp://{master}", rank=self.rank,
+                                    world_size=self.world_size)
+        self.model_dir = model_dir
         self.trainer = TorchTrainer(model_dir, config)
-        self.loop = asyncio.new_event_loop()
-        self.broadcaster = None
-
-    def ready(self) -> int:
         return self.rank
 
     def train_step(self, samples: list) -> dict[str, float]:
         return self.trainer.train_step(samples)
 
-    def connect_engines(self, urls: list[str], api_key: str, host: str, bucket_bytes: int) -> None:
+    def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int) -> None:
         """Rank 0: form the weight-update group with every engine."""
         from relax_core.rollout.client import EngineClient
         from relax_core.weights.sync import WeightBroadcaster
 
+        host = node_ip()
         clients = [EngineClient(url, api_key=api_key) for url in urls]
-        self.broadcaster = WeightBroadcaster(clients, host, free_port(host), backend="gloo", bucket_bytes=bucket_bytes)
+        self.broadcaster = WeightBroadcaster(clients, host, free_port(host), backend=collective_backend(),
+                                             bucket_bytes=bucket_bytes)
         self.loop.run_until_complete(self.broadcaster.init())
 
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -89,15 +116,28 @@ class TrainerWorker:
             self.loop.run_until_complete(self.broadcaster.close())
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the actor that started us dies, however it dies.
+
+    The engine runs in its own session (so a Ctrl-C meant for the driver does
+    not reach it); without this an actor killed by Ray would leave it behind.
+    """
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class EngineWorker:
     """Starts one engine server process and stops it by PID."""
 
-    def __init__(self, index: int, model_dir: str, host: str, log_path: str, api_key: str,
+    def __init__(self, index: int, model_dir: str, log_path: str, api_key: str,
                  threads: int, seed: int, max_running_requests: int):
-        self.host, self.port = host, free_port(host)
+        self.host = node_ip()  # bind to the cluster's interface only
+        self.port = free_port(self.host)
         self.log_path = Path(log_path)
         command = [
-            sys.executable, "-m", "relax_core.rollout.cpu_engine", "--model-path", model_dir, "--host", host,
+            sys.executable, "-m", "relax_core.rollout.cpu_engine", "--model-path", model_dir, "--host", self.host,
             "--port", str(self.port), "--num-threads", str(threads),
             "--seed", str(seed + index), "--max-running-requests", str(max_running_requests), "--weight-version", "0",
         ]
@@ -105,7 +145,7 @@ class EngineWorker:
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
 
     @property
     def url(self) -> str:

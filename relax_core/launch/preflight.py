@@ -35,7 +35,7 @@ def preflight(recipe: Recipe, recipe_path: str | Path, executor: str) -> None:
     if executor == "local":
         problems += _local_problems(recipe)
     elif executor == "slurm":
-        problems.append("cluster.executor: the Slurm executor is not available in this version; use --executor local")
+        problems += _slurm_problems(recipe)
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
         raise RecipeError(f"{recipe_path}: cannot run this recipe ({len(problems)} problem(s)); nothing was started\n{lines}")
@@ -102,6 +102,14 @@ def _local_problems(recipe: Recipe) -> list[str]:
     if recipe.train.backend == "megatron":
         problems.append("train.backend: the megatron backend runs on GPU nodes; on this machine use train.backend=torch")
     return problems
+
+
+def _slurm_problems(recipe: Recipe) -> list[str]:
+    from relax_core.launch.container import check_container
+
+    problems = [f"cluster.slurm: '{tool}' is not on PATH (load Slurm's module, or use --executor local)"
+                for tool in ("sbatch", "squeue", "scontrol") if not shutil.which(tool)]
+    return problems + check_container(recipe.cluster.container)
 
 
 def _has_cuda() -> bool:

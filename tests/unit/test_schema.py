@@ -117,7 +117,6 @@ def test_override_through_a_value_is_refused(tmp_path):
     ("change", "field", "words"),
     [
         ({"mode": "fully_async"}, "cluster.rollout.nodes", "needs a rollout node group"),
-        ({"cluster": {"rollout": {"nodes": 1}}}, "cluster.rollout.nodes", "must be empty"),
         ({"rollout": {"engine": "sglang", "num_engines": 3, "gpus_per_engine": 2},
           "cluster": {"train": {"gpus_per_node": 4}}}, "rollout.num_engines", "6 GPUs"),
         ({"rollout": {"engine": "cpu", "gpus_per_engine": 1}}, "rollout.gpus_per_engine", "set it to 0"),
@@ -130,6 +129,15 @@ def test_override_through_a_value_is_refused(tmp_path):
 def test_cross_field_checks(tmp_path, change, field, words):
     message = problem_of(tmp_path, MINIMAL | change)
     assert field in message and words in message
+
+
+def test_colocate_may_put_its_engines_on_a_rollout_group(tmp_path):
+    data = MINIMAL | {"rollout": {"engine": "sglang", "num_engines": 2, "gpus_per_engine": 4},
+                      "cluster": {"train": {"gpus_per_node": 8}, "rollout": {"nodes": 1, "gpus_per_node": 4}}}
+    message = problem_of(tmp_path, data)  # the engines must fit the rollout group, not the training group
+    assert "rollout.num_engines" in message and "cluster.rollout has 1 nodes x 4 GPUs" in message
+    data["cluster"]["rollout"]["gpus_per_node"] = 8
+    assert load_recipe(write(tmp_path, data)).mode == "colocate"
 
 
 def test_negative_node_count(tmp_path):

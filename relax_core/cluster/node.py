@@ -1,0 +1,110 @@
+"""What starts Ray on one node of a Slurm job.
+
+    python -m relax_core.cluster.node RUN_DIR --group rollout --index 2 --head-address 10.0.0.5:12000
+
+runs (replacing itself with) `ray start --block` for this node: explicit
+ports from the job id, a short node-local temp dir, explicit CPU/GPU counts,
+the group's custom resource (`relax_train` / `relax_rollout`) plus one that
+names the node, the node address of the configured interface, and the run's
+token. The batch step starts the head with the same function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import math
+import os
+import socket
+import struct
+import sys
+import tempfile
+from pathlib import Path
+
+from relax_core.cluster.local_ray import token_env
+from relax_core.cluster.ports import node_ports
+from relax_core.config.schema import Recipe
+from relax_core.launch.rundir import RunDir
+
+# Custom Ray resources nodes advertise: training-rank slots and engine slots.
+TRAIN_RESOURCE, ROLLOUT_RESOURCE = "relax_train", "relax_rollout"
+
+
+def node_resource(name: str) -> str:
+    """The custom resource that identifies one Slurm node in the Ray cluster."""
+    return f"relax_node_{name}"
+
+
+def interface_address(interface: str) -> str:
+    """IPv4 address of a network interface (e.g. ib0), as Ray and NCCL should use it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))  # SIOCGIFADDR
+        except OSError as exc:
+            raise RuntimeError(f"cluster.network.interface: no IPv4 address on interface '{interface}' ({exc})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def node_address(recipe: Recipe) -> str:
+    interface = recipe.cluster.network.interface
+    if interface:
+        return interface_address(interface)
+    return socket.gethostbyname(socket.gethostname())
+
+
+def node_env(recipe: Recipe, run: RunDir, group: str, address: str) -> dict[str, str]:
+    """Environment of every process on the node: token, address, interfaces, the group's own variables."""
+    env = dict(os.environ) | token_env(run) | {"RELAX_NODE_IP": address}
+    interface = recipe.cluster.network.interface
+    if interface:
+        env |= {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+    return env | dict(getattr(recipe.cluster, group).env)
+
+
+def node_resources(recipe: Recipe, group: str, name: str) -> dict[str, float]:
+    nodes = getattr(recipe.cluster, group)
+    resources: dict[str, float] = {node_resource(name): 1}
+    if group == "train":
+        resources[TRAIN_RESOURCE] = nodes.gpus_per_node or getattr(recipe.train, "cpu_ranks_per_node", 1)
+    engines_here = group == "rollout" or not recipe.cluster.rollout.nodes
+    if engines_here:
+        resources[ROLLOUT_RESOURCE] = nodes.gpus_per_node or math.ceil(recipe.rollout.num_engines / nodes.nodes)
+    return resources
+
+
+def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, name: str, address: str,
+                      job_id: int, head_address: str | None) -> list[str]:
+    nodes = getattr(recipe.cluster, group)
+    ports = node_ports(job_id, index)
+    temp_dir = Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir())) / f"rx{os.getuid()}-{job_id}-{index}"
+    command = [str(Path(sys.executable).with_name("ray")), "start", "--block", "--disable-usage-stats",
+               f"--node-ip-address={address}", f"--num-cpus={nodes.cpus_per_node}",
+               f"--num-gpus={nodes.gpus_per_node}", f"--resources={json.dumps(node_resources(recipe, group, name))}",
+               f"--temp-dir={temp_dir}", *ports.ray_start_flags(head=head_address is None)]
+    if head_address is None:
+        return command + ["--head", "--include-dashboard=false"]
+    return command + [f"--address={head_address}"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from relax_core.config import load_recipe
+
+    parser = argparse.ArgumentParser(prog="python -m relax_core.cluster.node")
+    parser.add_argument("run_dir")
+    parser.add_argument("--group", choices=("train", "rollout"), required=True)
+    parser.add_argument("--index", type=int, required=True, help="position of this node in the job")
+    parser.add_argument("--head-address", default="", help="the head's address:port; empty on the head itself")
+    args = parser.parse_args(argv)
+    run = RunDir(Path(args.run_dir))
+    recipe = load_recipe(run.recipe)
+    name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    address = node_address(recipe)
+    command = ray_start_command(recipe, run, group=args.group, index=args.index, name=name, address=address,
+                                job_id=int(os.environ["SLURM_JOB_ID"]), head_address=args.head_address or None)
+    print(f"relax node {name} ({args.group}, index {args.index}, {address}): {' '.join(command)}", flush=True)
+    os.execve(command[0], command, node_env(recipe, run, args.group, address))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The Slurm executor: render the heterogeneous job script, check it, submit it, query it.
+
+    het group 0: training nodes  (node 0 runs the batch step: Ray head + driver)
+    het group 1: rollout nodes   (only when cluster.rollout.nodes > 0)
+
+Every value that reaches the script is computed and quoted here; the
+template (`templates/job.sbatch.j2`) only lays the lines out. What runs on
+the nodes is `relax_core.cluster.slurm_job`, a Python module, not shell.
+Light imports only: this runs on the login node.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_core.config.schema import NodeGroup, Recipe
+from relax_core.errors import RecipeError
+from relax_core.launch.container import container_prefix
+from relax_core.launch.rundir import RunDir
+
+SCRIPT_NAME = "job.sbatch"
+
+
+@dataclass
+class Component:
+    role: str
+    options: list[str]
+
+
+def _option(flag: str, value: object) -> str:
+    return f"{flag}={shlex.quote(str(value))}"
+
+
+def component_options(recipe: Recipe, group: NodeGroup) -> list[str]:
+    """`#SBATCH` options of one het component."""
+    slurm = recipe.cluster.slurm
+    options = [_option("--nodes", group.nodes), "--ntasks-per-node=1", _option("--cpus-per-task", group.cpus_per_node)]
+    if group.gpus_per_node:
+        options.append(_option("--gpus-per-node", group.gpus_per_node))
+    for flag, value in (("--mem", group.mem), ("--partition", slurm.partition), ("--account", slurm.account),
+                        ("--qos", slurm.qos), ("--constraint", slurm.constraint)):
+        if value:
+            options.append(_option(flag, value))
+    options.append(_option("--time", slurm.time))
+    return options + list(slurm.extra_sbatch)
+
+
+def job_options(recipe: Recipe, run: RunDir) -> list[str]:
+    """Options of the whole job (they go on the first component)."""
+    return [
+        _option("--job-name", f"relax-{recipe.name}"),
+        _option("--output", run.logs / "slurm-%j.out"),
+        "--open-mode=append",
+        # USR1 to the batch step N seconds before the time limit: checkpoint and requeue.
+        _option("--signal", f"B:USR1@{recipe.cluster.slurm.signal_before_end_s}"),
+        "--requeue",
+    ]
+
+
+def components(recipe: Recipe, run: RunDir) -> list[Component]:
+    groups = [Component("training", job_options(recipe, run) + component_options(recipe, recipe.cluster.train))]
+    if recipe.cluster.rollout.nodes:
+        groups.append(Component("rollout", component_options(recipe, recipe.cluster.rollout)))
+    return groups
+
+
+def launcher_argv(recipe: Recipe, run: RunDir, python: str | None = None) -> list[str]:
+    """The batch step's command: the node-side launcher, inside the container if there is one.
+
+    Without a container the compute nodes run this very interpreter (a shared
+    file system is assumed, as on every HPC cluster); inside one, its `python3`.
+    """
+    container = recipe.cluster.container
+    python = python or ("python3" if container.image else sys.executable)
+    prefix = container_prefix(container, run_dir=run.path, gpus=recipe.cluster.train.gpus_per_node > 0)
+    return prefix + [python, "-m", "relax_core.cluster.slurm_job", str(run.path)]
+
+
+def render_job_script(recipe: Recipe, run: RunDir, python: str | None = None) -> str:
+    import jinja2
+
+    from relax_core.assets import asset_dir
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(asset_dir("templates")),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                             keep_trailing_newline=True)
+    return env.get_template("job.sbatch.j2").render(
+        name=recipe.name,
+        components=components(recipe, run),
+        setup=list(recipe.cluster.slurm.setup),
+        run_dir=shlex.quote(str(run.path)),
+        launcher=shlex.join(launcher_argv(recipe, run, python)),
+    )
+
+
+# ------------------------------------------------------------------ sbatch
+def _sbatch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["sbatch", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_only(script: Path) -> None:
+    """Ask Slurm whether it could ever run this job; raise `RecipeError` if not."""
+    proc = _sbatch("--test-only", str(script))
+    if proc.returncode != 0:
+        raise RecipeError(explain_sbatch_error(proc.stderr.strip(), script))
+
+
+def explain_sbatch_error(stderr: str, script: Path) -> str:
+    text = stderr.lower()
+    hints = [
+        ("invalid partition", "cluster.slurm.partition: Slurm has no such partition (sinfo -s lists them)"),
+        ("node configuration is not available",
+         "cluster.train / cluster.rollout: more nodes, GPUs, CPUs or memory than the partition has"),
+        ("node count specification invalid", "cluster.train.nodes / cluster.rollout.nodes: more nodes than the partition has"),
+        ("invalid account", "cluster.slurm.account: Slurm does not know this account"),
+        ("invalid qos", "cluster.slurm.qos: Slurm does not know this QOS"),
+        ("time limit", "cluster.slurm.time: longer than the partition allows"),
+    ]
+    hint = next((h for key, h in hints if key in text), "see the job script")
+    return f"Slurm would not run {script}: {stderr}\n  {hint}"
+
+
+def submit_script(script: Path) -> str:
+    proc = _sbatch("--parsable", str(script))
+    if proc.returncode != 0:
+        raise RecipeError(explain_sbatch_error(proc.stderr.strip(), script))
+    return proc.stdout.strip().split(";")[0]
+
+
+# ------------------------------------------------------------------ queries
+def scheduler_states(job_ids: list[str]) -> dict[str, str]:
+    """Slurm's state of each job, with one squeue call (then sacct for finished jobs)."""
+    states: dict[str, str] = {}
+    if not job_ids:
+        return states
+    proc = subprocess.run(["squeue", "--json", "-j", ",".join(job_ids)], capture_output=True, text=True, timeout=60)
+    if proc.returncode == 0:
+        for job in json.loads(proc.stdout).get("jobs", []):
+            state = job.get("job_state")
+            states.setdefault(str(job.get("job_id")), state[0] if isinstance(state, list) else state)
+    missing = [j for j in job_ids if j not in states]
+    return states | _sacct_states(missing)
+
+
+def _sacct_states(job_ids: list[str]) -> dict[str, str]:
+    if not job_ids:
+        return {}
+    try:
+        proc = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(job_ids)],
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    states = {}
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        job, _, state = line.partition("|")
+        states.setdefault(job.split("+")[0], state.split()[0] if state else "")
+    return states
+
+
+def cancel(job_id: str) -> None:
+    subprocess.run(["scancel", job_id], check=True, capture_output=True, text=True, timeout=60)

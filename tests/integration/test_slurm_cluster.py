@@ -1,0 +1,145 @@
+"""The test Slurm cluster behaves the way the Slurm launcher relies on.
+
+Each test drives the real daemons started by the `slurm_cluster` fixture
+(tests/slurm_cluster.py, imported by conftest) with the client commands the
+launcher uses (sbatch, srun, scancel, scontrol, squeue) and checks what a job
+actually saw, from files the job wrote. The stderr texts checked here are the
+ones the launcher maps to user-facing errors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, wait_until
+
+pytestmark = pytest.mark.slurm
+
+
+def read_vars(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines a job script echoed."""
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 20.0) -> None:
+    if not wait_until(lambda: path.exists() and text in path.read_text(), timeout):
+        content = path.read_text() if path.exists() else "(no file)"
+        raise TimeoutError(f"{text!r} not in {path} after {timeout} s: {content}")
+
+
+def test_sinfo_shows_four_idle_node_names_and_clients_use_the_test_conf(slurm_cluster: SlurmCluster) -> None:
+    import os
+
+    assert os.environ["SLURM_CONF"] == str(slurm_cluster.conf_path)
+    assert not str(slurm_cluster.conf_path).startswith("/etc/")
+    out = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %P %t"]).stdout
+    assert sorted(out.split("\n")[:-1]) == [f"n{i} debug* idle" for i in range(1, 5)]
+
+
+def test_het_job_components_run_on_different_node_names(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "het.out"
+    script = f"""#!/bin/bash
+#SBATCH --nodes=1 --ntasks=1 --output={out}
+#SBATCH hetjob
+#SBATCH --nodes=1 --ntasks=1
+echo HET_SIZE=$SLURM_HET_SIZE
+echo GROUP_0=$SLURM_JOB_NODELIST_HET_GROUP_0
+echo GROUP_1=$SLURM_JOB_NODELIST_HET_GROUP_1
+srun --het-group=1 --overlap bash -c 'echo STEP_NODE=$SLURMD_NODENAME'
+"""
+    job_id = slurm_cluster.submit(script)
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    seen = read_vars(out)
+    assert seen["HET_SIZE"] == "2"
+    assert {seen["GROUP_0"], seen["GROUP_1"]} <= set(slurm_cluster.node_names)
+    assert seen["GROUP_0"] != seen["GROUP_1"]
+    assert seen["STEP_NODE"] == seen["GROUP_1"]
+    # The controller's own record of component 1 agrees with what the job saw.
+    records = slurm_cluster.run(["scontrol", "-o", "show", "job", str(job_id)]).stdout.splitlines()
+    component_1 = [r for r in records if "HetJobOffset=1 " in r]
+    assert len(component_1) == 1 and f" NodeList={seen['GROUP_1']} " in component_1[0]
+
+
+def test_only_accepts_a_request_that_fits(slurm_cluster: SlurmCluster) -> None:
+    proc = slurm_cluster.run("sbatch --test-only --nodes=2 --wrap true")
+    assert re.fullmatch(
+        r"sbatch: Job \d+ to start at \S+ using 2 processors on nodes n\[1-2\] in partition debug\n", proc.stderr
+    )
+
+
+def test_only_rejects_more_nodes_than_exist(slurm_cluster: SlurmCluster) -> None:
+    proc = slurm_cluster.run("sbatch --test-only --nodes=5 --wrap true", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr == "allocation failure: Requested node configuration is not available\n"
+
+
+def test_only_rejects_an_unknown_partition(slurm_cluster: SlurmCluster) -> None:
+    proc = slurm_cluster.run("sbatch --test-only --partition=nope --wrap true", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        "sbatch: error: invalid partition specified: nope\nallocation failure: Invalid partition name specified\n"
+    )
+
+
+def test_only_checks_each_het_component_on_its_own(slurm_cluster: SlurmCluster) -> None:
+    """3 + 2 nodes cannot run at once on 4 node names, yet --test-only accepts it:
+    the launcher has to check the total itself. A component that alone is too
+    big is rejected."""
+    accepted = slurm_cluster.run("sbatch --test-only --nodes=3 : --nodes=2 --wrap true")
+    assert "to start at" in accepted.stderr
+    rejected = slurm_cluster.run("sbatch --test-only --nodes=1 : --nodes=5 --wrap true", check=False)
+    assert rejected.returncode == 1
+    assert rejected.stderr == "allocation failure: Requested node configuration is not available\n"
+
+
+def test_scancel_delivers_usr1_to_the_batch_script(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "usr1.out"
+    script = f"""#!/bin/bash
+#SBATCH --output={out}
+trap 'echo GOT_USR1; kill %1; exit 0' USR1
+sleep 60 &
+echo READY
+wait
+echo NO_SIGNAL
+"""
+    job_id = slurm_cluster.submit(script)
+    wait_for_text(out, "READY")
+    slurm_cluster.run(["scancel", "--signal=USR1", "--batch", str(job_id)])
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    assert out.read_text().split() == ["READY", "GOT_USR1"]
+
+
+def test_requeue_reruns_the_job_with_restart_count_1(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "requeue.out"
+    script = f"""#!/bin/bash
+#SBATCH --requeue --open-mode=append --output={out}
+echo "RUN restart=${{SLURM_RESTART_COUNT:-unset}}"
+if [ -z "$SLURM_RESTART_COUNT" ]; then sleep 60 & wait; fi
+"""
+    job_id = slurm_cluster.submit(script)
+    wait_for_text(out, "RUN restart=unset")
+    requeued_at = time.monotonic()
+    slurm_cluster.run(["scontrol", "requeue", str(job_id)])
+    wait_for_text(out, "RUN restart=1", timeout=30)
+    delay = time.monotonic() - requeued_at
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    assert slurm_cluster.job_info(job_id)["Restarts"] == "1"
+    # cred_expire=5 holds it for 6 s; sched_interval=1 starts it right after.
+    assert 5.0 < delay < 12.0, f"requeued job restarted after {delay:.1f} s"
+
+
+def test_squeue_json_lists_a_pending_job(slurm_cluster: SlurmCluster) -> None:
+    job_id = slurm_cluster.submit("#!/bin/bash\ntrue\n", "--hold", "--job-name=held")
+    try:
+        report = json.loads(slurm_cluster.run("squeue --json").stdout)
+    finally:
+        slurm_cluster.run(["scancel", str(job_id)])
+    (job,) = [j for j in report["jobs"] if j["job_id"] == job_id]
+    state = job["job_state"]
+    # Slurm 22.05 (openapi v0.0.38) gives a string; newer releases give a list.
+    assert (state if isinstance(state, list) else [state]) == ["PENDING"]
+    assert job["name"] == "held" and job["state_reason"] == "JobHeldUser"

@@ -1,0 +1,359 @@
+"""A real Slurm cluster on this host, for tests of the Slurm launcher.
+
+`SlurmCluster` writes a slurm.conf with four node names (n1..n4, all on
+localhost, one `slurmd -N nX` each) into a temporary directory, starts its own
+munged, slurmctld and slurmds, and waits until `sinfo` shows every node idle.
+Tests reach it through the session-scoped `slurm_cluster` fixture, which also
+exports SLURM_CONF for the test process, so `sbatch`/`squeue`/`scancel` run by
+the code under test talk to this cluster (and never read /etc/slurm, which
+another run of the suite may be using).
+
+Slurm's ports are fixed (6817, 6821-6824), so the fixture refuses to run
+outside a loopback-only network namespace: run the suite with `bash tests/run`.
+Daemons are stopped by the PIDs in their pid files, never by name. They are
+not reaped by PID 1 here and stay as zombies: harmless.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+NODE_NAMES = ("n1", "n2", "n3", "n4")
+PARTITION = "debug"
+SLURMCTLD_PORT = 6817
+FIRST_SLURMD_PORT = 6821
+# Environment a surrounding Slurm job (or a user's shell) may set; any of it
+# would steer sbatch/srun away from the test cluster.
+FOREIGN_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "SCONTROL_")
+TERMINAL_STATES = frozenset(
+    {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+)
+# Unix socket paths (munge's, slurmstepd's) must fit in 108 bytes.
+MAX_ROOT_LEN = 60
+
+# bf_interval=1 and bf_hetjob_immediate start a het job in ~0.5 s instead of
+# ~25 s. A requeued job is held for cred_expire+1 s (Slurm's default: 120 s;
+# 5 is the least it accepts) and then waits for a scheduler pass that nothing
+# triggers: sched_interval=1 runs one every second instead of every 60 s.
+SLURM_CONF = """\
+ClusterName=relax-test
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmdPort=6818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.socket.2,cred_expire={cred_expire}
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/run/slurmctld.pid
+SlurmdPidFile={root}/run/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,bf_hetjob_immediate,bf_hetjob_prio=min,sched_min_interval=100000,sched_interval=1
+SwitchType=switch/none
+MpiDefault=none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+SlurmctldTimeout=30
+SlurmdTimeout=30
+InactiveLimit=0
+MinJobAge=300
+KillWait=5
+Waittime=0
+NodeName={nodes} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports} CPUs=2 RealMemory=4000 State=UNKNOWN
+PartitionName={partition} Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+class SlurmCommandError(subprocess.CalledProcessError):
+    """A Slurm client command failed; the message carries its stderr."""
+
+    def __str__(self) -> str:
+        return f"{shlex.join(self.cmd)} exited {self.returncode}: {(self.stderr or '').strip()}"
+
+
+def require_isolated_network() -> None:
+    """Fail unless this process is in a loopback-only namespace with 127.0.0.2 on lo."""
+    others = sorted(name for _, name in socket.if_nameindex() if name != "lo")
+    if others:
+        pytest.fail(
+            f"the Slurm test cluster binds fixed ports and must run in a loopback-only network "
+            f"namespace, but this one has interfaces {others}: run the tests via `bash tests/run`",
+            pytrace=False,
+        )
+    addrs = subprocess.run(["ip", "-o", "-4", "addr", "show", "dev", "lo"], capture_output=True, text=True).stdout
+    if "127.0.0.2/" not in addrs:
+        # Slurm's getaddrinfo(AI_ADDRCONFIG) finds no address when 127.0.0.1 is the only one.
+        pytest.fail("lo needs a second address for Slurm: run the tests via `bash tests/run`", pytrace=False)
+
+
+def require_slurm_installed() -> None:
+    missing = [exe for exe in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(exe) is None]
+    if missing:
+        pytest.fail(
+            f"{', '.join(missing)} not found: apt-get install -y --no-install-recommends slurm-wlm munge",
+            pytrace=False,
+        )
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Poll `predicate` until it holds or `timeout` seconds pass; return whether it held."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def process_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (nobody reaps our daemons)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def stop_daemon(pid_file: Path, name: str, timeout: float = 10.0) -> None:
+    """SIGTERM the daemon named in `pid_file`, SIGKILL it after `timeout` seconds."""
+    try:
+        pid = int(pid_file.read_text().split()[0])
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (OSError, ValueError, IndexError):
+        return  # never started, or already gone
+    if comm != name or not process_running(pid):
+        return  # the PID was reused by someone else's process: not ours to stop
+    os.kill(pid, signal.SIGTERM)
+    if not wait_until(lambda: not process_running(pid), timeout):
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not process_running(pid), 5.0)
+
+
+def parse_scontrol_record(line: str) -> dict[str, str]:
+    """`scontrol -o show job` prints one `Key=Value ...` line per job (component)."""
+    return dict(re.findall(r"(?:^|\s)([\w/:]+)=(\S*)", line))
+
+
+class SlurmCluster:
+    """Daemons and client helpers for one test Slurm cluster.
+
+    Args:
+        root: a short, empty directory for the config, state, logs and sockets.
+        cred_expire: seconds a requeued job is held before it may start again
+            (also the job credential lifetime; Slurm's default is 120).
+    """
+
+    partition = PARTITION
+    node_names = NODE_NAMES
+
+    def __init__(self, root: Path, cred_expire: int = 5) -> None:
+        if cred_expire < 5:
+            raise ValueError("Slurm ignores cred_expire below 5 (and falls back to 120)")
+        if len(str(root)) > MAX_ROOT_LEN:
+            raise ValueError(f"{root} is too long for Unix socket paths; use a shorter base directory")
+        self.root = root
+        self.cred_expire = cred_expire
+        self.conf_path = root / "slurm.conf"
+        self.state_dir = root / "state"
+        self.log_dir = root / "log"
+        self.run_dir = root / "run"
+        self.munge_dir = root / "munge"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The current environment, pointed at this cluster, for client commands and jobs."""
+        return clean_environ(os.environ) | {"SLURM_CONF": str(self.conf_path)}
+
+    # -- life cycle ---------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> None:
+        self._write_files()
+        self._start_munged()
+        self._daemon(["slurmctld", "-i"])
+        for node in self.node_names:
+            self._daemon(["slurmd", "-N", node])
+        if not wait_until(self._all_idle, timeout, interval=0.2):
+            raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s:\n{self.diagnostics()}")
+
+    def stop(self) -> None:
+        """Cancel leftover jobs (their processes are ours too), then stop the daemons."""
+        self._cancel_all_jobs()
+        for node in self.node_names:
+            stop_daemon(self.run_dir / f"slurmd-{node}.pid", "slurmd")
+        stop_daemon(self.run_dir / "slurmctld.pid", "slurmctld")
+        stop_daemon(self.run_dir / "munged.pid", "munged")
+
+    def _write_files(self) -> None:
+        for sub in ("state", "log", "run", "munge", "spool", "jobs"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        self.munge_dir.chmod(0o755)  # munged refuses a group/world-writable socket directory
+        key = self.munge_dir / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        self.conf_path.write_text(self.render_conf())
+
+    def render_conf(self) -> str:
+        last_port = FIRST_SLURMD_PORT + len(self.node_names) - 1
+        return SLURM_CONF.format(
+            root=self.root,
+            ctld_port=SLURMCTLD_PORT,
+            cred_expire=self.cred_expire,
+            nodes=f"n[1-{len(self.node_names)}]",
+            ports=f"[{FIRST_SLURMD_PORT}-{last_port}]",
+            partition=self.partition,
+        )
+
+    def _start_munged(self) -> None:
+        socket_path = self.munge_dir / "munge.socket.2"
+        self._daemon([
+            "munged",
+            "--force",  # it refuses sockets under 0700 directories such as pytest's tmp dirs
+            f"--socket={socket_path}",
+            f"--key-file={self.munge_dir / 'munge.key'}",
+            f"--pid-file={self.run_dir / 'munged.pid'}",
+            f"--seed-file={self.munge_dir / 'seed'}",
+            f"--log-file={self.log_dir / 'munged.log'}",
+        ])
+        if not wait_until(socket_path.exists, 10.0):
+            raise RuntimeError(f"munged did not create {socket_path}:\n{self.diagnostics()}")
+
+    def _daemon(self, argv: list[str]) -> None:
+        """Start a daemon; it forks into the background and its launcher exits at once."""
+        proc = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr}\n{self.diagnostics()}")
+
+    def _all_idle(self) -> bool:
+        proc = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout=10)
+        states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
+        return proc.returncode == 0 and all(states.get(node) == "idle" for node in self.node_names)
+
+    def _cancel_all_jobs(self, timeout: float = 15.0) -> None:
+        if not process_running(_read_pid(self.run_dir / "slurmctld.pid")):
+            return
+        self.run(["scancel", "--full", f"--partition={self.partition}"], check=False)
+        wait_until(lambda: not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip(), timeout, 0.2)
+
+    # -- client helpers -----------------------------------------------------
+
+    def run(
+        self, cmd: str | Sequence[str], *, check: bool = True, timeout: float = 60.0, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command against this cluster (a string is split like a shell would)."""
+        argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        proc = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, input=input)
+        if check and proc.returncode != 0:
+            raise SlurmCommandError(proc.returncode, argv, proc.stdout, proc.stderr)
+        return proc
+
+    def submit(self, script: str, *sbatch_args: str) -> int:
+        """`sbatch` a script text (from the jobs/ directory); return the job id."""
+        fd, path = tempfile.mkstemp(suffix=".sh", dir=self.root / "jobs")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(script)
+        out = self.run(["sbatch", "--parsable", f"--chdir={self.root / 'jobs'}", *sbatch_args, path]).stdout
+        return int(out.strip().split(";")[0])
+
+    def job_info(self, job_id: int) -> dict[str, str]:
+        """`scontrol show job` fields of the job (of the leader, for a het job)."""
+        out = self.run(["scontrol", "-o", "show", "job", str(job_id)]).stdout
+        return parse_scontrol_record(out.splitlines()[0])
+
+    def job_state(self, job_id: int) -> str:
+        return self.job_info(job_id)["JobState"]
+
+    def wait_for_state(self, job_id: int, states: Sequence[str] = ("COMPLETED",), timeout: float = 30.0) -> str:
+        """Wait until the job is in one of `states` (or a terminal one); return its state."""
+        wanted = set(states) | TERMINAL_STATES
+        if not wait_until(lambda: self.job_state(job_id) in wanted, timeout, interval=0.2):
+            raise TimeoutError(f"job {job_id} still {self.job_state(job_id)} after {timeout} s:\n{self.diagnostics()}")
+        return self.job_state(job_id)
+
+    def diagnostics(self, lines: int = 15) -> str:
+        """The tail of every daemon log, for error messages."""
+        parts = []
+        for log in sorted(self.log_dir.glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {log.name}\n" + "\n".join(tail))
+        return "\n".join(parts) or f"(no logs in {self.log_dir})"
+
+
+def _read_pid(pid_file: Path) -> int:
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def clean_environ(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    """`environ` without Slurm variables inherited from a surrounding job or shell."""
+    return {k: v for k, v in environ.items() if not k.startswith(FOREIGN_ENV_PREFIXES)}
+
+
+def short_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pytest temporary directory, or a short one under /tmp when that path is too long."""
+    root = tmp_path_factory.mktemp("slurm")
+    if len(str(root)) <= MAX_ROOT_LEN:
+        return root
+    return Path(tempfile.mkdtemp(prefix="relax-slurm-", dir="/tmp"))
+
+
+def point_environ_at(conf_path: Path) -> dict[str, str | None]:
+    """Export SLURM_CONF and drop foreign Slurm variables; return what to restore."""
+    keys = [k for k in os.environ if k.startswith(FOREIGN_ENV_PREFIXES)] + ["SLURM_CONF"]
+    saved = {k: os.environ.get(k) for k in keys}
+    for k in keys:
+        os.environ.pop(k, None)
+    os.environ["SLURM_CONF"] = str(conf_path)
+    return saved
+
+
+def restore_environ(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A running four-node test cluster; SLURM_CONF points at it for the whole session."""
+    require_slurm_installed()
+    require_isolated_network()
+    cluster = SlurmCluster(short_root(tmp_path_factory))
+    saved_environ = point_environ_at(cluster.conf_path)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        restore_environ(saved_environ)
+
+
+def mark_slurm_tests(items: list[pytest.Item]) -> None:
+    """Give the `slurm` marker to every test that uses the cluster (call from conftest)."""
+    for item in items:
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)
