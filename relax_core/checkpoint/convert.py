@@ -18,6 +18,15 @@ def checkpoint_root(path: str | Path) -> Path:
     return path
 
 
+def check_source(ckpt: str | Path, iteration: int | None) -> None:
+    """Raise `CheckpointError` naming the file if the checkpoint to convert is missing or damaged."""
+    from relax_core.checkpoint import dcp_io, layout
+
+    _, iter_dir = layout.resolve_iteration(checkpoint_root(ckpt), iteration)
+    layout.read_meta(iter_dir)
+    dcp_io.read_metadata(iter_dir)
+
+
 def convert(ckpt: str | Path, out_dir: str | Path, *, iteration: int | None = None, verify: bool = False,
             overwrite: bool = False) -> dict[str, Any]:
     from relax_core.checkpoint.hf_export import export_hf

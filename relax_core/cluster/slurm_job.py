@@ -82,7 +82,8 @@ class JobSteps:
         self.nodes: list[Step] = []
         self.driver: Step | None = None
 
-    def srun(self, group: str, node: str, job_name: str, argv: list[str], log_path: Path) -> Step:
+    def step_command(self, group: str, node: str, job_name: str, argv: list[str]) -> list[str]:
+        """`srun` of one step on one node, inside the container when the recipe names one."""
         from relax_core.launch.container import container_prefix
 
         cluster = self.recipe.cluster
@@ -90,8 +91,11 @@ class JobSteps:
         prefix = container_prefix(cluster.container, run_dir=self.run.path,
                                   gpus=getattr(cluster, group).gpus_per_node > 0)
         python = "python3" if cluster.container.image else sys.executable
-        command = ["srun", *het, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
-                   f"--job-name={job_name}", *prefix, python, "-m", *argv]
+        return ["srun", *het, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
+                f"--job-name={job_name}", *prefix, python, "-m", *argv]
+
+    def srun(self, group: str, node: str, job_name: str, argv: list[str], log_path: Path) -> Step:
+        command = self.step_command(group, node, job_name, argv)
         with log_path.open("ab") as out:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return Step(node if job_name.startswith("ray") else job_name, log_path, proc)

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from relax_core.config.schema import NodeGroup, Recipe
 from relax_core.errors import RecipeError
-from relax_core.launch.container import container_prefix
 from relax_core.launch.rundir import RunDir
 
 SCRIPT_NAME = "job.sbatch"
@@ -69,16 +68,14 @@ def components(recipe: Recipe, run: RunDir) -> list[Component]:
     return groups
 
 
-def launcher_argv(recipe: Recipe, run: RunDir, python: str | None = None) -> list[str]:
-    """The batch step's command: the node-side launcher, inside the container if there is one.
+def launcher_argv(run: RunDir, python: str | None = None) -> list[str]:
+    """The batch step's command: the job supervisor, with this very interpreter.
 
-    Without a container the compute nodes run this very interpreter (a shared
-    file system is assumed, as on every HPC cluster); inside one, its `python3`.
+    The supervisor calls `srun` and `scontrol`, so it runs on the host even when
+    the recipe names a container (it wraps the steps it starts); a shared file
+    system, as on every HPC cluster, gives the compute nodes this interpreter.
     """
-    container = recipe.cluster.container
-    python = python or ("python3" if container.image else sys.executable)
-    prefix = container_prefix(container, run_dir=run.path, gpus=recipe.cluster.train.gpus_per_node > 0)
-    return prefix + [python, "-m", "relax_core.cluster.slurm_job", str(run.path)]
+    return [python or sys.executable, "-m", "relax_core.cluster.slurm_job", str(run.path)]
 
 
 def render_job_script(recipe: Recipe, run: RunDir, python: str | None = None) -> str:
@@ -94,7 +91,7 @@ def render_job_script(recipe: Recipe, run: RunDir, python: str | None = None) ->
         components=components(recipe, run),
         setup=list(recipe.cluster.slurm.setup),
         run_dir=shlex.quote(str(run.path)),
-        launcher=shlex.join(launcher_argv(recipe, run, python)),
+        launcher=shlex.join(launcher_argv(run, python)),
     )
 
 

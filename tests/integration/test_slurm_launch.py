@@ -168,3 +168,44 @@ def test_dry_run_prints_the_script_and_submits_nothing(slurm_cluster, tmp_path):
     assert "#SBATCH hetjob" in proc.stdout and str(tmp_path / "r") in proc.stdout
     assert (tmp_path / "r" / "job.sbatch").read_text() in proc.stdout
     assert "job_id" not in json.loads((tmp_path / "r" / "run.json").read_text())
+
+
+@pytest.mark.slow
+def test_convert_ckpt_runs_as_a_slurm_job_through_submitit(slurm_cluster, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from relax_core.checkpoint import save_checkpoint
+    from relax_core.models.tiny import materialize_tiny_model
+
+    model_dir = materialize_tiny_model(tmp_path / "model", seed=3)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    save_checkpoint(tmp_path / "ckpt", 7, {"model": model.state_dict()}, hf_dir=model_dir)
+    proc = relax("convert-ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--verify", "--slurm",
+                 "--partition", slurm_cluster.partition, "--cpus", "1", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "submitted Slurm job" in proc.stdout and "verified" in proc.stdout
+    assert list((tmp_path / "hf.submitit").glob("*_log.out"))  # it really ran as a job
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    for name, tensor in model.state_dict().items():
+        assert (converted.state_dict()[name] == tensor).all(), name
+
+
+SHIPPED = sorted((REPO / "recipes").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("container", [False, True], ids=["plain", "container"])
+@pytest.mark.parametrize("recipe_path", SHIPPED, ids=lambda p: p.stem)
+def test_sbatch_test_only_accepts_the_script_of_every_shipped_recipe(slurm_cluster, tmp_path, recipe_path,
+                                                                     container):
+    from relax_core.config import load_recipe
+    from relax_core.launch.rundir import RunDir
+    from relax_core.launch.slurm import render_job_script, test_only
+
+    overrides = [f"cluster.slurm.partition={slurm_cluster.partition}"]
+    if container:
+        image = tmp_path / "relax.sif"
+        image.write_bytes(b"")
+        overrides += [f"cluster.container.image={image}", f"cluster.container.binds=[{tmp_path}:/data:ro]"]
+    script = tmp_path / "job.sbatch"
+    script.write_text(render_job_script(load_recipe(recipe_path, overrides), RunDir(tmp_path / "run")))
+    test_only(script)  # raises RecipeError with Slurm's reason if Slurm refuses

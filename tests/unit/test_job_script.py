@@ -70,17 +70,25 @@ def test_heterogeneous_job_has_one_component_per_node_group():
     assert len(sbatch_components(render("quickstart"))) == 1  # no rollout group, no het job
 
 
-def test_container_wraps_the_launcher_with_binds_and_env():
+def test_container_wraps_every_step_but_not_the_supervisor():
+    from relax_core.cluster.slurm_job import Allocation, JobSteps
+
+    recipe = load_recipe(REPO / "recipes/omni_avqa.yaml", CONTAINER)
     text = render("omni_avqa_container")
-    launcher = shlex.split(text.strip().splitlines()[-1].removeprefix("exec "))
-    assert launcher[:3] == ["apptainer", "exec", "--nv"]
-    assert "/scratch/images/relax.sif" in launcher
-    assert launcher[launcher.index("/scratch/images/relax.sif") + 1:] == [
-        "python3", "-m", "relax_core.cluster.slurm_job", str(RUN.path)]
-    binds = [launcher[i + 1] for i, arg in enumerate(launcher) if arg == "--bind"]
-    assert str(RUN.path) in binds and "/scratch/data:/data:ro" in binds
+    supervisor = shlex.split(text.strip().splitlines()[-1].removeprefix("exec "))
+    assert supervisor == ["python3", "-m", "relax_core.cluster.slurm_job", str(RUN.path)]  # calls srun: host
     assert "--partition=gpu" in sbatch_components(text)[1] and "--account=proj42" in sbatch_components(text)[0]
-    assert text.index("module load apptainer") < text.index("exec apptainer")  # setup runs first
+    assert text.index("module load apptainer") < text.index("exec python3")  # setup runs first
+
+    steps = JobSteps(recipe, RUN, Allocation(7, 0, {"train": ["g1"], "rollout": ["g2"]}))
+    command = steps.step_command("rollout", "g2", "ray-g2", ["relax_core.cluster.node", str(RUN.path)])
+    assert command[:6] == ["srun", "--het-group=1", "--nodes=1", "--ntasks=1", "--nodelist=g2", "--overlap"]
+    inner = command[command.index("apptainer"):]
+    assert inner[:3] == ["apptainer", "exec", "--nv"]
+    assert inner[inner.index("/scratch/images/relax.sif") + 1:] == [
+        "python3", "-m", "relax_core.cluster.node", str(RUN.path)]
+    binds = [inner[i + 1] for i, arg in enumerate(inner) if arg == "--bind"]
+    assert str(RUN.path) in binds and "/scratch/data:/data:ro" in binds
 
 
 def test_values_are_quoted_for_the_shell(tmp_path):
