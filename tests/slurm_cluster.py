@@ -1,14 +1,16 @@
 """A real Slurm cluster on this host, for tests of the Slurm launcher.
 
-`SlurmCluster` writes a slurm.conf with four node names (n1..n4, all on
-localhost, one `slurmd -N nX` each) into a temporary directory, starts its own
-munged, slurmctld and slurmds, and waits until `sinfo` shows every node idle.
+`SlurmCluster` writes a slurm.conf with four node names in partition "debug"
+(n1..n4, 2 CPUs each, all on localhost, one `slurmd -N nX` each) and two that
+look like 8-GPU nodes in partition "gpu" (g1, g2; for `sbatch --test-only` of
+full-size recipes) into a temporary directory, starts its own munged,
+slurmctld and slurmds, and waits until `sinfo` shows every node idle.
 Tests reach it through the session-scoped `slurm_cluster` fixture, which also
 exports SLURM_CONF for the test process, so `sbatch`/`squeue`/`scancel` run by
 the code under test talk to this cluster (and never read /etc/slurm, which
 another run of the suite may be using).
 
-Slurm's ports are fixed (6817, 6821-6824), so the fixture refuses to run
+Slurm's ports are fixed (6817, 6821-6826), so the fixture refuses to run
 outside a loopback-only network namespace: run the suite with `bash tests/run`.
 Daemons are stopped by the PIDs in their pid files, never by name. They are
 not reaped by PID 1 here and stay as zombies: harmless.
@@ -25,15 +27,16 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
-NODE_NAMES = ("n1", "n2", "n3", "n4")
+NODE_NAMES = ("n1", "n2", "n3", "n4")  # partition "debug": 2 CPUs, 4000 MB, no GPU each
 PARTITION = "debug"
-SLURMCTLD_PORT = 6817
-FIRST_SLURMD_PORT = 6821
+GPU_NODE_NAMES = ("g1", "g2")  # partition "gpu": look like 8-GPU, 64-CPU, ~1 TB nodes
+GPU_PARTITION = "gpu"
+GPUS_PER_NODE = 8
 # Environment a surrounding Slurm job (or a user's shell) may set; any of it
 # would steer sbatch/srun away from the test cluster.
 FOREIGN_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "SCONTROL_")
@@ -47,10 +50,14 @@ MAX_ROOT_LEN = 60
 # ~25 s. A requeued job is held for cred_expire+1 s (Slurm's default: 120 s;
 # 5 is the least it accepts) and then waits for a scheduler pass that nothing
 # triggers: sched_interval=1 runs one every second instead of every 60 s.
-SLURM_CONF = """\
+# The g nodes let `sbatch --test-only` judge full-size GPU recipes:
+# config_overrides makes slurmd report the configured size instead of this
+# machine's, and gres/gpu needs a File= per GPU (plain files do: slurmd logs
+# "not a valid character or block device" and carries on).
+SLURM_CONF_TEMPLATE = """\
 ClusterName=relax-test
 SlurmctldHost=localhost
-SlurmctldPort={ctld_port}
+SlurmctldPort=6817
 SlurmdPort=6818
 SlurmUser=root
 SlurmdUser=root
@@ -74,15 +81,20 @@ MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
+SlurmdParameters=config_overrides
+GresTypes=gpu
 SlurmctldTimeout=30
 SlurmdTimeout=30
 InactiveLimit=0
 MinJobAge=300
 KillWait=5
 Waittime=0
-NodeName={nodes} NodeHostname=localhost NodeAddr=127.0.0.1 Port={ports} CPUs=2 RealMemory=4000 State=UNKNOWN
-PartitionName={partition} Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+NodeName=n[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6821-6824] CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=g[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6825-6826] CPUs=64 RealMemory=1000000 Gres=gpu:8 State=UNKNOWN
+PartitionName=debug Nodes=n[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+PartitionName=gpu Nodes=g[1-2] MaxTime=INFINITE State=UP OverSubscribe=YES
 """
+GRES_CONF_TEMPLATE = "NodeName=g[1-2] Name=gpu File={root}/fake-gpu/nvidia[0-7]\n"
 
 
 class SlurmCommandError(subprocess.CalledProcessError):
@@ -135,14 +147,19 @@ def process_running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None  # never started
+
+
 def stop_daemon(pid_file: Path, name: str, timeout: float = 10.0) -> None:
     """SIGTERM the daemon named in `pid_file`, SIGKILL it after `timeout` seconds."""
-    try:
-        pid = int(pid_file.read_text().split()[0])
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except (OSError, ValueError, IndexError):
-        return  # never started, or already gone
-    if comm != name or not process_running(pid):
+    pid = read_pid(pid_file)
+    if pid is None or not process_running(pid):
+        return
+    if Path(f"/proc/{pid}/comm").read_text().strip() != name:
         return  # the PID was reused by someone else's process: not ours to stop
     os.kill(pid, signal.SIGTERM)
     if not wait_until(lambda: not process_running(pid), timeout):
@@ -166,6 +183,9 @@ class SlurmCluster:
 
     partition = PARTITION
     node_names = NODE_NAMES
+    gpu_partition = GPU_PARTITION
+    gpu_node_names = GPU_NODE_NAMES
+    gpus_per_node = GPUS_PER_NODE
 
     def __init__(self, root: Path, cred_expire: int = 5) -> None:
         if cred_expire < 5:
@@ -181,6 +201,10 @@ class SlurmCluster:
         self.munge_dir = root / "munge"
 
     @property
+    def all_node_names(self) -> tuple[str, ...]:
+        return self.node_names + self.gpu_node_names
+
+    @property
     def env(self) -> dict[str, str]:
         """The current environment, pointed at this cluster, for client commands and jobs."""
         return clean_environ(os.environ) | {"SLURM_CONF": str(self.conf_path)}
@@ -191,7 +215,7 @@ class SlurmCluster:
         self._write_files()
         self._start_munged()
         self._daemon(["slurmctld", "-i"])
-        for node in self.node_names:
+        for node in self.all_node_names:
             self._daemon(["slurmd", "-N", node])
         if not wait_until(self._all_idle, timeout, interval=0.2):
             raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s:\n{self.diagnostics()}")
@@ -199,42 +223,37 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel leftover jobs (their processes are ours too), then stop the daemons."""
         self._cancel_all_jobs()
-        for node in self.node_names:
+        for node in self.all_node_names:
             stop_daemon(self.run_dir / f"slurmd-{node}.pid", "slurmd")
         stop_daemon(self.run_dir / "slurmctld.pid", "slurmctld")
         stop_daemon(self.run_dir / "munged.pid", "munged")
 
     def _write_files(self) -> None:
-        for sub in ("state", "log", "run", "munge", "spool", "jobs"):
+        for sub in ("state", "log", "run", "munge", "spool", "jobs", "fake-gpu"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for index in range(GPUS_PER_NODE):
+            (self.root / "fake-gpu" / f"nvidia{index}").touch()
         self.munge_dir.chmod(0o755)  # munged refuses a group/world-writable socket directory
         key = self.munge_dir / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
-        self.conf_path.write_text(self.render_conf())
-
-    def render_conf(self) -> str:
-        last_port = FIRST_SLURMD_PORT + len(self.node_names) - 1
-        return SLURM_CONF.format(
-            root=self.root,
-            ctld_port=SLURMCTLD_PORT,
-            cred_expire=self.cred_expire,
-            nodes=f"n[1-{len(self.node_names)}]",
-            ports=f"[{FIRST_SLURMD_PORT}-{last_port}]",
-            partition=self.partition,
-        )
+        self.conf_path.write_text(SLURM_CONF_TEMPLATE.format(root=self.root, cred_expire=self.cred_expire))
+        # Slurm reads gres.conf from the directory SLURM_CONF is in.
+        (self.root / "gres.conf").write_text(GRES_CONF_TEMPLATE.format(root=self.root))
 
     def _start_munged(self) -> None:
         socket_path = self.munge_dir / "munge.socket.2"
-        self._daemon([
-            "munged",
-            "--force",  # it refuses sockets under 0700 directories such as pytest's tmp dirs
-            f"--socket={socket_path}",
-            f"--key-file={self.munge_dir / 'munge.key'}",
-            f"--pid-file={self.run_dir / 'munged.pid'}",
-            f"--seed-file={self.munge_dir / 'seed'}",
-            f"--log-file={self.log_dir / 'munged.log'}",
-        ])
+        self._daemon(
+            [
+                "munged",
+                "--force",  # it refuses sockets under 0700 directories such as pytest's tmp dirs
+                f"--socket={socket_path}",
+                f"--key-file={self.munge_dir / 'munge.key'}",
+                f"--pid-file={self.run_dir / 'munged.pid'}",
+                f"--seed-file={self.munge_dir / 'seed'}",
+                f"--log-file={self.log_dir / 'munged.log'}",
+            ]
+        )
         if not wait_until(socket_path.exists, 10.0):
             raise RuntimeError(f"munged did not create {socket_path}:\n{self.diagnostics()}")
 
@@ -247,13 +266,16 @@ class SlurmCluster:
     def _all_idle(self) -> bool:
         proc = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout=10)
         states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
-        return proc.returncode == 0 and all(states.get(node) == "idle" for node in self.node_names)
+        return proc.returncode == 0 and all(states.get(node) == "idle" for node in self.all_node_names)
 
     def _cancel_all_jobs(self, timeout: float = 15.0) -> None:
-        if not process_running(_read_pid(self.run_dir / "slurmctld.pid")):
+        ctld = read_pid(self.run_dir / "slurmctld.pid")
+        if ctld is None or not process_running(ctld):
             return
-        self.run(["scancel", "--full", f"--partition={self.partition}"], check=False)
-        wait_until(lambda: not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip(), timeout, 0.2)
+        jobs = self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+        if jobs:
+            self.run(["scancel", *jobs], check=False)
+            wait_until(lambda: not self.run(["squeue", "-h", "-o", "%i"], check=False).stdout.strip(), timeout, 0.2)
 
     # -- client helpers -----------------------------------------------------
 
@@ -299,14 +321,7 @@ class SlurmCluster:
         return "\n".join(parts) or f"(no logs in {self.log_dir})"
 
 
-def _read_pid(pid_file: Path) -> int:
-    try:
-        return int(pid_file.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
-def clean_environ(environ: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+def clean_environ(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` without Slurm variables inherited from a surrounding job or shell."""
     return {k: v for k, v in environ.items() if not k.startswith(FOREIGN_ENV_PREFIXES)}
 

@@ -24,9 +24,19 @@ _TINY_TEMPLATE_TOKENS = 1 + 5 + 1 + 1 + 1 + 10
 
 
 def resolve_executor(recipe: Recipe) -> str:
+    """`auto`: Slurm when `sbatch` is on PATH and a Slurm controller answers, else this machine."""
     if recipe.cluster.executor != "auto":
         return recipe.cluster.executor
-    return "slurm" if shutil.which("sbatch") else "local"
+    return "slurm" if shutil.which("sbatch") and slurm_answers() else "local"
+
+
+def slurm_answers() -> bool:
+    import subprocess
+
+    try:
+        return subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def preflight(recipe: Recipe, recipe_path: str | Path, executor: str) -> None:

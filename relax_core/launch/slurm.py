@@ -114,6 +114,7 @@ def explain_sbatch_error(stderr: str, script: Path) -> str:
         ("node configuration is not available",
          "cluster.train / cluster.rollout: more nodes, GPUs, CPUs or memory than the partition has"),
         ("node count specification invalid", "cluster.train.nodes / cluster.rollout.nodes: more nodes than the partition has"),
+        ("invalid generic resource", "cluster.train.gpus_per_node / cluster.rollout.gpus_per_node: the partition has no GPUs (gres)"),
         ("invalid account", "cluster.slurm.account: Slurm does not know this account"),
         ("invalid qos", "cluster.slurm.qos: Slurm does not know this QOS"),
         ("time limit", "cluster.slurm.time: longer than the partition allows"),

@@ -10,6 +10,7 @@ ones the launcher maps to user-facing errors.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -31,13 +32,15 @@ def wait_for_text(path: Path, text: str, timeout: float = 20.0) -> None:
         raise TimeoutError(f"{text!r} not in {path} after {timeout} s: {content}")
 
 
-def test_sinfo_shows_four_idle_node_names_and_clients_use_the_test_conf(slurm_cluster: SlurmCluster) -> None:
-    import os
-
+def test_sinfo_shows_every_node_idle_and_clients_use_the_test_conf(slurm_cluster: SlurmCluster) -> None:
     assert os.environ["SLURM_CONF"] == str(slurm_cluster.conf_path)
     assert not str(slurm_cluster.conf_path).startswith("/etc/")
-    out = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %P %t"]).stdout
-    assert sorted(out.split("\n")[:-1]) == [f"n{i} debug* idle" for i in range(1, 5)]
+    out = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %P %t %c %m %G"]).stdout
+    assert sorted(out.split("\n")[:-1]) == [
+        "g1 gpu idle 64 1000000 gpu:8",
+        "g2 gpu idle 64 1000000 gpu:8",
+        *[f"n{i} debug* idle 2 4000 (null)" for i in range(1, 5)],
+    ]
 
 
 def test_het_job_components_run_on_different_node_names(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
@@ -94,6 +97,36 @@ def test_only_checks_each_het_component_on_its_own(slurm_cluster: SlurmCluster) 
     rejected = slurm_cluster.run("sbatch --test-only --nodes=1 : --nodes=5 --wrap true", check=False)
     assert rejected.returncode == 1
     assert rejected.stderr == "allocation failure: Requested node configuration is not available\n"
+
+
+FULL_SIZE_NODE = "--nodes=1 --cpus-per-task=64 --gpus-per-node=8 --mem=960G"
+
+
+def test_only_accepts_a_full_size_gpu_het_job_on_the_gpu_partition(slurm_cluster: SlurmCluster) -> None:
+    request = f"--partition=gpu {FULL_SIZE_NODE} : --partition=gpu {FULL_SIZE_NODE}"
+    proc = slurm_cluster.run(f"sbatch --test-only {request} --wrap true")
+    # For a het job Slurm adds up the processors but names only component 0's nodes.
+    assert re.fullmatch(r"sbatch: Job \d+ to start at \S+ using 128 processors on g[12]\n", proc.stderr)
+
+
+def test_only_rejects_gpus_where_there_are_none_or_too_few(slurm_cluster: SlurmCluster) -> None:
+    for request in (f"--partition=debug {FULL_SIZE_NODE}", "--partition=gpu --nodes=1 --gpus-per-node=9"):
+        proc = slurm_cluster.run(f"sbatch --test-only {request} --wrap true", check=False)
+        assert proc.returncode == 1, request
+        assert proc.stderr == "allocation failure: Requested node configuration is not available\n", request
+
+
+def test_a_gpu_job_runs_on_a_fake_gpu_node(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "gpu.out"
+    job_id = slurm_cluster.submit(
+        "#!/bin/bash\necho NODE=$SLURMD_NODENAME\necho GPUS=$SLURM_GPUS_ON_NODE\n",
+        "--partition=gpu",
+        "--gpus-per-node=8",
+        f"--output={out}",
+    )
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    seen = read_vars(out)
+    assert seen["NODE"] in slurm_cluster.gpu_node_names and seen["GPUS"] == "8"
 
 
 def test_scancel_delivers_usr1_to_the_batch_script(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

@@ -201,7 +201,7 @@ def test_sbatch_test_only_accepts_the_script_of_every_shipped_recipe(slurm_clust
     from relax_core.launch.rundir import RunDir
     from relax_core.launch.slurm import render_job_script, test_only
 
-    overrides = [f"cluster.slurm.partition={slurm_cluster.partition}"]
+    overrides = [f"cluster.slurm.partition={slurm_cluster.gpu_partition}"]  # g1, g2: 64 CPUs, 8 GPUs
     if container:
         image = tmp_path / "relax.sif"
         image.write_bytes(b"")

@@ -138,3 +138,14 @@ def test_doctor_reports_what_each_executor_misses():
     assert report["executors"]["local (CPU)"]["missing"] == []
     sbatch_found = checks["sbatch"]["found"]
     assert ("sbatch" in report["executors"]["slurm"]["missing"]) != sbatch_found
+
+
+def test_auto_executor_runs_locally_without_slurm(tmp_path):
+    """A laptop (no sbatch) runs the recipe here; --dry-run records which executor it chose."""
+    bare = tmp_path / "bin"  # a PATH with no sbatch, whatever this machine has installed
+    bare.mkdir()
+    env = os.environ | {"PATH": str(bare), "NO_COLOR": "1"}
+    proc = subprocess.run([sys.executable, "-m", "relax_cli.main", "submit", str(QUICKSTART), "--dry-run",
+                           "--run-dir", "r"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["executor"] == "local"
