@@ -84,11 +84,16 @@ class RunDir:
             return {}
 
     def update_state(self, **fields: Any) -> dict[str, Any]:
-        """Merge `fields` into run.json (written atomically)."""
-        state = self.read_state() | fields
-        tmp = self.path / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps(state, indent=2))
-        os.replace(tmp, self.path / RUN_FILE)
+        """Merge `fields` into run.json: under a lock (the job's supervisor and driver both
+        write it), through a temporary file of this process, renamed into place."""
+        import fcntl
+
+        with open(self.path / f".{RUN_FILE}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            state = self.read_state() | fields
+            tmp = self.path / f".{RUN_FILE}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(state, indent=2))
+            os.replace(tmp, self.path / RUN_FILE)
         return state
 
     def read_metrics(self) -> list[dict[str, Any]]:
