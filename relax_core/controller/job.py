@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
-from relax_core.config.schema import FileData, Recipe
+from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
 from relax_core.controller.workers import EngineWorker, TrainerWorker
 from relax_core.launch.rundir import RunDir
@@ -55,14 +55,18 @@ class Job:
                                       recipe.train.steps, console)
 
     # ------------------------------------------------------------ start-up
-    def _threads(self) -> int:
-        """Torch threads per process: the cores split between trainer ranks and engines.
+    def _threads(self, group: str) -> int:
+        """Torch threads per process: a node's cores split between the processes it hosts.
 
         Oversubscribed CPU threads make torch an order of magnitude slower, and
         in colocate mode the processes take turns anyway.
         """
-        processes = self.recipe.train_ranks + self.recipe.rollout.num_engines
-        return max(1, (os.cpu_count() or 1) // processes)
+        cluster, nodes = self.recipe.cluster, getattr(self.recipe.cluster, group)
+        per_node = {"train": -(-self.recipe.train_ranks // cluster.train.nodes), "rollout": 0}
+        engine_group = "rollout" if cluster.rollout.nodes else "train"
+        per_node[engine_group] += -(-self.recipe.rollout.num_engines // getattr(cluster, engine_group).nodes)
+        cores = min(nodes.cpus_per_node, os.cpu_count() or 1)
+        return max(1, cores // max(per_node[group], 1))
 
     def _start_engines(self) -> list:
         ro = self.recipe.rollout
@@ -72,7 +76,8 @@ class Job:
         actor = self._ray.remote(num_cpus=0, num_gpus=ro.gpus_per_engine, resources=slot)(EngineWorker)
         self.engines = [
             actor.remote(i, str(self.model_dir), str(self.run.logs / f"engine-{i}.log"), key,
-                         self._threads(), self.recipe.train.seed, ro.max_concurrency)
+                         self._threads(rollout_group_name(self.recipe)), self.recipe.train.seed,
+                         ro.max_concurrency)
             for i in range(ro.num_engines)
         ]
         return [e.wait_ready.remote() for e in self.engines]
@@ -84,7 +89,7 @@ class Job:
         self.trainers = [actor.remote(r, world) for r in range(world)]
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
         config = setup.trainer_config(self.recipe)
-        return [t.setup.remote(master, str(self.model_dir), config, self._threads()) for t in self.trainers]
+        return [t.setup.remote(master, str(self.model_dir), config, self._threads("train")) for t in self.trainers]
 
     def _connect(self) -> None:
         from relax_core.rewards.registry import get_reward

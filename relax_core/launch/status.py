@@ -93,9 +93,14 @@ def _latest_checkpoint(run: RunDir) -> int | None:
         return None
 
 
-def follow(path: Path, run: RunDir, poll_s: float = 0.5) -> Iterator[str]:
-    """Yield the lines of `path` as they are written, until the run ends."""
-    position = 0
+def follow(path: Path, run: RunDir, poll_s: float = 0.5, max_status_interval_s: float = 30.0) -> Iterator[str]:
+    """Yield what is written to `path` until the run ends.
+
+    The file is read every `poll_s`; the run's state (for Slurm runs a
+    `squeue` call) is asked with a back-off from 2 s up to
+    `max_status_interval_s`, so following a log does not hammer the scheduler.
+    """
+    position, interval, next_check = 0, 2.0, 0.0
     while True:
         if path.exists():
             with path.open() as handle:
@@ -104,9 +109,12 @@ def follow(path: Path, run: RunDir, poll_s: float = 0.5) -> Iterator[str]:
                 position = handle.tell()
             if chunk:
                 yield chunk
-        if run_status(run)["state"] not in ("running", "pending", "unknown"):
-            if not path.exists() or path.stat().st_size <= position:
-                return
+        if time.monotonic() >= next_check:
+            if current_state(run.read_state()) not in ("running", "pending", "requeued", "unknown"):
+                if not path.exists() or path.stat().st_size <= position:
+                    return
+            interval = min(interval * 1.5, max_status_interval_s)
+            next_check = time.monotonic() + interval
         time.sleep(poll_s)
 
 
