@@ -5,6 +5,10 @@ aggregation by string; the trainer resolves those strings here. The tables
 hold dotted paths ("module:function") and import the implementation only when
 it is asked for, so importing this module (as `relax list algorithms` does)
 pulls in no torch. Formulas: /work/shared/ALGORITHMS.md.
+
+Kinds "estimator" and "loss" are the algorithm suite's uniform interfaces
+(estimators.py, policy_losses.py) that `AlgorithmSpec` names refer to;
+"advantage" and "policy_loss" are the older per-sample / unmasked forms.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ _TABLES: dict[str, dict[str, str | Callable[..., Any]]] = {
     },
     "policy_loss": {
         "ppo_clip": f"{_PKG}.losses:ppo_clip",
+    },
+    # The suite's batch interface (estimators.py): every estimator maps an
+    # AdvantageBatch to per-token advantages, per-sample and per-token alike.
+    "estimator": {
+        name: f"{_PKG}.estimators:{name}"
+        for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "opd")
+    },
+    # The suite's masked policy-loss interface (policy_losses.py).
+    "loss": {
+        name: f"{_PKG}.policy_losses:{name}"
+        for name in ("ppo_clip", "gspo", "cispo", "sapo", "m2po")
     },
     "kl": {
         "k1": f"{_PKG}.kl:k1",
@@ -76,6 +91,16 @@ def get_kl_estimator(name: str) -> Callable[..., Any]:
 
 def get_loss_aggregator(name: str) -> Callable[..., Any]:
     return resolve("loss_agg", name)
+
+
+def get_estimator(name: str) -> Callable[..., Any]:
+    """An estimator of the batch interface: `fn(AdvantageBatch, **params) -> AdvantageResult`."""
+    return resolve("estimator", name)
+
+
+def get_loss(name: str) -> Callable[..., Any]:
+    """A masked policy loss: `fn(logp, logp_old, advantages, *, mask, logp_rollout=None, **params)`."""
+    return resolve("loss", name)
 
 
 def _table(kind: str) -> dict[str, str | Callable[..., Any]]:

@@ -1,0 +1,339 @@
+"""The recipe's `algorithm:` section: one typed, validated config class per algorithm.
+
+`AlgorithmConfig` is a union discriminated on `name` (default `grpo`); each
+class carries only its algorithm's parameters, with bounds and a docstring per
+field. What an algorithm is built from (estimator, loss, needs) lives in
+relax_core/algorithms/specs.py; the classes here read their spec to check
+requirements (PPO without a critic, OPD without a teacher) and to hand the
+trainer its keyword arguments (`estimator_kwargs`, `loss_kwargs`).
+`algorithm_problems` holds the checks that need the rest of the recipe (mode,
+group size, response length). pydantic only: nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from relax_core.algorithms.specs import AlgorithmSpec, get_spec, spec_problems
+
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+class AlgoSection(BaseModel):
+    """Base of the algorithm sections, same rules as schema.Section (kept here so schema can import us)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class KLConfig(AlgoSection):
+    """KL divergence to the frozen reference model."""
+
+    coef: float = Field(0.0, ge=0.0)
+    """KL coefficient (beta); 0 turns the KL off (and, unless the algorithm needs it, the reference model)."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 (log-ratio), k2 (squared), k3 (low-variance)."""
+    placement: Literal["loss", "reward"] = "loss"
+    """`loss`: add `coef * agg(k)` to the policy loss; `reward`: subtract `coef * k_t` from the token rewards."""
+
+
+class CriticConfig(AlgoSection):
+    """The value model PPO trains next to the policy (the policy's architecture with a value head)."""
+
+    lr: float = Field(1e-5, gt=0.0)
+    """Critic learning rate."""
+    value_clip: float = Field(0.2, gt=0.0)
+    """Clip range eps_v of the value loss."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps during which only the critic is trained."""
+    init_from: str | None = None
+    """Model to initialise the critic's body from; the policy's initial weights if unset."""
+
+
+class TeacherConfig(AlgoSection):
+    """The teacher model on-policy distillation scores the student's tokens with."""
+
+    path: str = Field(min_length=1)
+    """Hub id or local directory of the teacher (same tokenizer as the student)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    """Teacher parameter dtype."""
+
+
+class DynamicSamplingConfig(AlgoSection):
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal, generate more until the batch is full."""
+
+    enabled: bool = True
+    """Drop zero-variance groups and refill the batch."""
+    max_num_gen_batches: int = Field(10, ge=1)
+    """At most this many generation rounds per step; the step then trains on what it has."""
+
+
+class OverlongConfig(AlgoSection):
+    """DAPO's soft overlong penalty; the budget L_max is `rollout.max_new_tokens`."""
+
+    enabled: bool = True
+    """Add the overlong penalty to the reward."""
+    buffer_len: int | None = Field(None, ge=1)
+    """Window L_cache before L_max over which the penalty ramps from 0 to -1; a quarter of L_max if unset."""
+    penalty_factor: float = Field(1.0, ge=0.0)
+    """Scale of the penalty (1 = the paper's)."""
+
+    def cache_len(self, max_new_tokens: int) -> int:
+        """L_cache for a budget L_max = `max_new_tokens`."""
+        return self.buffer_len if self.buffer_len is not None else max(1, max_new_tokens // 4)
+
+
+class AlgorithmCommon(AlgoSection):
+    """What every algorithm has: aggregation, KL, off-policy correction."""
+
+    loss_agg: LossAgg = "token-mean"
+    """How per-token losses are reduced to the step loss."""
+    norm_len: int | None = Field(None, ge=1)
+    """Constant length normaliser of `seq-mean-token-sum-norm`; `rollout.max_new_tokens` if unset."""
+    kl: KLConfig = Field(default_factory=KLConfig)
+    """KL to the reference model."""
+    tis_cap: float | None = Field(None, gt=0.0)
+    """Truncated importance sampling cap C on rollout/trainer log-prob mismatch; null disables it."""
+
+    @property
+    def spec(self) -> AlgorithmSpec:
+        return get_spec(self.name)  # type: ignore[attr-defined]
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the reference model must be built."""
+        return self.spec.needs_reference or self.kl.coef > 0
+
+    @property
+    def kl_loss_coef(self) -> float:
+        """Coefficient of the KL loss term (0 when the KL goes into the reward)."""
+        return self.kl.coef if self.kl.placement == "loss" else 0.0
+
+    def estimator_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the spec's advantage estimator."""
+        return {}
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the spec's policy loss."""
+        return {}
+
+    @model_validator(mode="after")
+    def _needs(self) -> "AlgorithmCommon":
+        spec, name = self.spec, self.spec.name
+        if spec.needs_critic and getattr(self, "critic", None) is None:
+            raise ValueError(
+                f"algorithm.critic is missing: algorithm {name} needs a critic (value model), e.g. `critic: {{lr: 1e-5}}`"
+            )
+        if spec.needs_teacher and getattr(self, "teacher", None) is None:
+            raise ValueError(f"algorithm.teacher is missing: algorithm {name} needs a teacher (set algorithm.teacher.path)")
+        if self.kl.placement == "reward" and "kl_coef" not in self.estimator_kwargs():
+            raise ValueError(f"kl.placement: algorithm {name} takes the KL as a loss term only (placement: loss)")
+        return self
+
+
+class ClipMixin(AlgoSection):
+    """The PPO clipped surrogate's parameters."""
+
+    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip range of the importance ratio."""
+    eps_high: float = Field(0.2, gt=0.0)
+    """Upper clip range of the importance ratio (clip-higher when above eps_low)."""
+    dual_clip_c: float | None = Field(3.0, gt=1.0)
+    """Dual-clip bound c for negative advantages; null disables it."""
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        return {"eps_low": self.eps_low, "eps_high": self.eps_high, "dual_clip_c": self.dual_clip_c}
+
+
+class PPOConfig(ClipMixin, AlgorithmCommon):
+    """PPO: GAE advantages from a learned critic, clipped policy loss, clipped value loss."""
+
+    name: Literal["ppo"] = "ppo"
+    """Algorithm name."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount factor."""
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    """GAE lambda."""
+    critic: CriticConfig | None = None
+    """The critic (value model); required."""
+
+    def estimator_kwargs(self) -> dict[str, Any]:
+        kl = self.kl.coef if self.kl.placement == "reward" else 0.0
+        return {"gamma": self.gamma, "lam": self.lam, "kl_coef": kl}
+
+
+class GRPOConfig(ClipMixin, AlgorithmCommon):
+    """GRPO: group-normalised outcome advantages with the PPO clipped loss, no critic."""
+
+    name: Literal["grpo"] = "grpo"
+    """Algorithm name."""
+
+
+class DrGRPOConfig(ClipMixin, AlgorithmCommon):
+    """Dr. GRPO: group-centred advantages (no std) and a constant length normaliser."""
+
+    name: Literal["dr_grpo"] = "dr_grpo"
+    """Algorithm name."""
+    loss_agg: LossAgg = "seq-mean-token-sum-norm"
+    """How per-token losses are reduced to the step loss."""
+
+
+class DAPOConfig(ClipMixin, AlgorithmCommon):
+    """DAPO: GRPO with clip-higher, dynamic sampling, token-mean and overlong shaping."""
+
+    name: Literal["dapo"] = "dapo"
+    """Algorithm name."""
+    eps_high: float = Field(0.28, gt=0.0)
+    """Upper clip range of the importance ratio (clip-higher)."""
+    dynamic_sampling: DynamicSamplingConfig = Field(default_factory=DynamicSamplingConfig)
+    """Dynamic sampling."""
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    """Overlong reward shaping."""
+
+
+class RLOOConfig(ClipMixin, AlgorithmCommon):
+    """RLOO: leave-one-out baseline advantages with the PPO clipped loss."""
+
+    name: Literal["rloo"] = "rloo"
+    """Algorithm name."""
+
+
+class ReinforcePPConfig(ClipMixin, AlgorithmCommon):
+    """REINFORCE++: KL-penalised token rewards, discounted return, batch-whitened advantages."""
+
+    name: Literal["reinforce_pp"] = "reinforce_pp"
+    """Algorithm name."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount factor of the token-reward return."""
+    kl: KLConfig = Field(default_factory=lambda: KLConfig(coef=0.001, placement="reward"))
+    """KL to the reference model, in the token rewards (placement `reward`, coef > 0)."""
+
+    def estimator_kwargs(self) -> dict[str, Any]:
+        kl = self.kl.coef if self.kl.placement == "reward" else 0.0
+        return {"gamma": self.gamma, "kl_coef": kl}
+
+    @model_validator(mode="after")
+    def _kl_in_reward(self) -> "ReinforcePPConfig":
+        if self.kl.placement != "reward" or self.kl.coef <= 0:
+            raise ValueError("kl: reinforce_pp puts the KL into the rewards; set kl.placement: reward and kl.coef > 0")
+        return self
+
+
+class ReinforcePPBaselineConfig(ClipMixin, AlgorithmCommon):
+    """REINFORCE++-baseline: group-mean baseline, batch-whitened, PPO clipped loss."""
+
+    name: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"
+    """Algorithm name."""
+
+
+class GSPOConfig(ClipMixin, AlgorithmCommon):
+    """GSPO: sequence-level importance ratio, clipped per sequence with small eps."""
+
+    name: Literal["gspo"] = "gspo"
+    """Algorithm name."""
+    eps_low: float = Field(3e-4, gt=0.0, lt=1.0)
+    """Lower clip range of the sequence ratio (paper: 3e-4)."""
+    eps_high: float = Field(4e-4, gt=0.0)
+    """Upper clip range of the sequence ratio (paper: 4e-4)."""
+    dual_clip_c: float | None = Field(None, gt=1.0)
+    """Dual-clip bound for negative advantages; off by default for GSPO."""
+    loss_agg: LossAgg = "seq-mean-token-mean"
+    """How per-token losses are reduced (seq-mean-token-mean makes the gradient the sequence-level one)."""
+
+
+class SAPOConfig(AlgorithmCommon):
+    """SAPO: a soft sigmoid gate on the ratio instead of a hard clip."""
+
+    name: Literal["sapo"] = "sapo"
+    """Algorithm name."""
+    tau_pos: float = Field(1.0, gt=0.0)
+    """Gate temperature for tokens with positive advantage."""
+    tau_neg: float = Field(1.05, gt=0.0)
+    """Gate temperature for tokens with negative advantage."""
+    loss_agg: LossAgg = "seq-mean-token-mean"
+    """How per-token losses are reduced to the step loss."""
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        return {"tau_pos": self.tau_pos, "tau_neg": self.tau_neg}
+
+
+class CISPOConfig(AlgorithmCommon):
+    """CISPO: clipped, gradient-free importance weight times REINFORCE on every token."""
+
+    name: Literal["cispo"] = "cispo"
+    """Algorithm name."""
+    eps_low: float = Field(1.0, gt=0.0, le=1.0)
+    """Lower clip range of the weight; 1.0 = no lower bound (MiniMax-M1)."""
+    eps_high: float = Field(0.28, gt=0.0)
+    """Upper clip range of the weight."""
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        return {"eps_low": self.eps_low, "eps_high": self.eps_high}
+
+
+class M2POConfig(ClipMixin, AlgorithmCommon):
+    """M2PO: mask the tokens with the largest rollout/trainer log-ratio^2 until its mean is under a threshold."""
+
+    name: Literal["m2po"] = "m2po"
+    """Algorithm name."""
+    m2_threshold: float = Field(0.04, gt=0.0)
+    """Bound on the mean squared log-ratio of the kept tokens (paper: 0.04)."""
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        return {**super().loss_kwargs(), "m2_threshold": self.m2_threshold}
+
+
+class OPDConfig(ClipMixin, AlgorithmCommon):
+    """On-policy distillation: per-token reverse KL to a teacher as the advantage, PPO clipped loss."""
+
+    name: Literal["opd"] = "opd"
+    """Algorithm name."""
+    teacher: TeacherConfig | None = None
+    """The teacher model; required."""
+
+
+ALGORITHM_MODELS: dict[str, type[AlgorithmCommon]] = {
+    model.model_fields["name"].default: model
+    for model in (
+        PPOConfig, GRPOConfig, DrGRPOConfig, DAPOConfig, RLOOConfig, ReinforcePPConfig,
+        ReinforcePPBaselineConfig, GSPOConfig, SAPOConfig, CISPOConfig, M2POConfig, OPDConfig,
+    )
+}
+
+
+def _pick_name(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("name", "grpo")
+    return getattr(value, "name", "grpo")
+
+
+AlgorithmConfig = Annotated[
+    Union[tuple(Annotated[model, Tag(name)] for name, model in ALGORITHM_MODELS.items())],  # type: ignore[misc]
+    Discriminator(_pick_name),
+]
+
+
+def algorithm_problems(algo: AlgorithmCommon, *, mode: str, group_size: int, max_new_tokens: int) -> list[str]:
+    """Checks against the rest of the recipe: mode, samples per prompt, DAPO's overlong window."""
+    problems = spec_problems(algo.spec.name, mode=mode, group_size=group_size)
+    if isinstance(algo, DAPOConfig) and algo.overlong.enabled and algo.overlong.cache_len(max_new_tokens) > max_new_tokens:
+        problems.append(
+            f"algorithm.overlong.buffer_len: {algo.overlong.buffer_len} exceeds rollout.max_new_tokens "
+            f"({max_new_tokens})"
+        )
+    return problems
+
+
+def describe_algorithms() -> list[dict[str, Any]]:
+    """Each algorithm's name, one-line description and parameters (for `relax list algorithms [--json]`)."""
+    rows = []
+    for name, model in ALGORITHM_MODELS.items():
+        params = {
+            field: {"default": repr(info.default) if info.default_factory is None else "(section)",
+                    "doc": info.description or ""}
+            for field, info in model.model_fields.items()
+            if field != "name"
+        }
+        rows.append({"name": name, "description": get_spec(name).description, "parameters": params})
+    return rows
