@@ -18,11 +18,12 @@ class What(str, Enum):
 def list_names(
     what: What = typer.Argument(..., help="algorithms or rewards"),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    plugin_dirs: list[str] = typer.Option(None, "--plugin-dir", help="Also list rewards of plug-ins in this folder."),
 ) -> None:
     """List the algorithms or rewards a recipe can name."""
     from relax_core.catalog import algorithm_entries, reward_entries
 
-    entries = algorithm_entries() if what is What.algorithms else reward_entries()
+    entries = algorithm_entries() if what is What.algorithms else reward_entries(plugin_dirs or [])
     if as_json:
         out.print(json.dumps(entries, indent=2), markup=False)
         return

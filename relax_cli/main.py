@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from relax_cli import cancel, convert_ckpt, doctor, listing, logs, recipes, status, submit, validate
+from relax_cli import cancel, convert_ckpt, doctor, listing, logs, recipes, reward, status, submit, validate
 
 app = typer.Typer(
     name="relax",
@@ -25,6 +25,7 @@ app.command("validate")(validate.validate)
 app.command("recipes")(recipes.recipes)
 app.command("list")(listing.list_names)
 app.command("doctor")(doctor.doctor)
+app.add_typer(reward.app, name="reward")
 
 
 def main() -> None:

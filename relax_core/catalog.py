@@ -23,11 +23,15 @@ def algorithm_entries() -> list[dict[str, Any]]:
     ]
 
 
-def reward_entries() -> list[dict[str, Any]]:
-    """One entry per reward the registry knows."""
-    from relax_core.rewards.registry import get_reward, list_rewards
+def reward_entries(plugin_dirs: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One entry per reward the registry knows: built-ins and plug-ins (default folder and `plugin_dirs`)."""
+    from relax_core.rewards.registry import get_spec, list_rewards
 
-    return [{"name": name, "description": _first_line(inspect.getdoc(get_reward(name)))} for name in list_rewards()]
+    entries = []
+    for name in list_rewards(plugin_dirs):
+        spec = get_spec(name, plugin_dirs)
+        entries.append({"name": name, "description": _first_line(inspect.getdoc(spec.fn)), "source": str(spec.source)})
+    return entries
 
 
 def _first_line(doc: str | None) -> str:

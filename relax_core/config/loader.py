@@ -30,11 +30,21 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     parsed = [parse_override(item) for item in overrides]
     for dotted, value, item in parsed:
         set_dotted(raw, dotted, value, item)
+    _anchor_plugin_dirs(raw, path.parent)
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
         sources = {dotted: item for dotted, _, item in parsed}
         raise RecipeError(format_validation_error(exc, path, text, sources)) from None
+
+
+def _anchor_plugin_dirs(raw: dict[str, Any], base: Path) -> None:
+    """Relative `reward.plugin_dirs` mean "next to the recipe", wherever the job later runs."""
+    reward = raw.get("reward")
+    dirs = reward.get("plugin_dirs") if isinstance(reward, dict) else None
+    if isinstance(dirs, list):
+        reward["plugin_dirs"] = [str((base / d).resolve()) if isinstance(d, str) and not Path(d).expanduser().is_absolute()
+                                 else d for d in dirs]
 
 
 def read_recipe_file(path: Path) -> tuple[dict[str, Any], str]:

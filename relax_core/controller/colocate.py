@@ -24,7 +24,7 @@ def train_colocate(job: Job) -> str:
         train_metrics, train_s = timed(job.train, samples)
         sync_stats, sync_s = timed(job.sync_weights, step)
         job.log(step, step_metrics(samples, rollout_s, train_s, sync_s, job.policy_version)
-                | train_metrics | sync_stats)
+                | job.rollout_manager.last_reward_stats | train_metrics | sync_stats)
         if step % job.recipe.checkpoint.interval == 0 or step == total:
             job.checkpoint(step)
         elif job.stop.is_set():

@@ -92,7 +92,7 @@ class Job:
         return [t.setup.remote(master, str(self.model_dir), config, self._threads("train")) for t in self.trainers]
 
     def _connect(self) -> None:
-        from relax_core.rewards.registry import get_reward
+        from relax_core.rewards.hub import RewardHub
         from relax_core.rollout.client import EngineClient
         from relax_core.rollout.manager import RolloutManager
 
@@ -101,8 +101,9 @@ class Job:
         self._ray.get(self.trainers[0].connect_engines.remote(self.engine_urls, key, bucket))
         clients = [EngineClient(url, api_key=key) for url in self.engine_urls]
         system = self.recipe.data.system_prompt if isinstance(self.recipe.data, FileData) else None
+        self.reward_hub = RewardHub.from_config(self.recipe.reward)
         self.rollout_manager = RolloutManager(clients, self.tokenizer, setup.sampling_config(self.recipe),
-                                              get_reward(self.recipe.reward.name), system)
+                                              self.reward_hub, system)
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:
@@ -152,6 +153,8 @@ class Job:
         if hasattr(self, "rollout_manager"):
             for client in self.rollout_manager.clients:
                 self.loop.run_until_complete(client.aclose())
+        if hasattr(self, "reward_hub"):
+            self.reward_hub.close()
         if hasattr(self, "tracker"):
             self.tracker.close()
         self.loop.close()

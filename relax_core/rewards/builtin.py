@@ -1,5 +1,7 @@
 """Built-in rewards for the synthetic tasks (relax_core/data/synthetic.py).
 
+Cheap string checks, so the hub calls them in-process (no worker round trip).
+
 Registered in the reward registry under their names; a recipe selects one
 with `reward: <name>`.
 """
@@ -11,13 +13,13 @@ from typing import Any
 from relax_core.rewards.registry import reward
 
 
-@reward("exact_match")
+@reward("exact_match", in_process=True)
 def exact_match(response: str, label: Any, metadata: dict | None = None) -> float:
     """1.0 if the response, stripped of surrounding whitespace, equals the label, else 0.0."""
     return float(response.strip() == str(label).strip())
 
 
-@reward("copy")
+@reward("copy", in_process=True)
 def copy(response: str, label: Any, metadata: dict | None = None) -> float:
     """Partial credit: the fraction of positions where response and label agree.
 

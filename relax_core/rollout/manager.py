@@ -4,7 +4,9 @@ For each step it encodes the prompts with the chat template, asks the
 engines for `n_samples_per_prompt` responses each (all samples of a prompt go
 to the same engine, so its prefix cache serves the group), scores every
 response with the reward, and returns one `Sample` per response with the
-engine's log-probs and weight version. Every sample gets its own sampling
+engine's log-probs and weight version. Scoring goes through the reward hub
+(relax_core/rewards/hub.py) once per step, for all samples concurrently; the
+step's failure counts are left in `last_reward_stats` for the controller. Every sample gets its own sampling
 seed derived from (run seed, step, index), so a resumed run draws exactly
 the samples the uninterrupted run would have drawn.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from relax_core.data.prompts import encode_prompt
+from relax_core.rewards.hub import RewardHub, RewardItem, empty_stats
 from relax_core.rollout.client import EngineClient, parse_generate_output
 from relax_core.rollout.types import Sample
 
@@ -42,10 +45,14 @@ def sample_seed(seed: int, step: int, index: int) -> int:
 
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], tokenizer, sampling: SamplingConfig,
-                 reward_fn: Callable[[str, Any, dict], float], system_prompt: str | None = None):
+                 reward_fn: RewardHub | Callable[[str, Any, dict], float], system_prompt: str | None = None):
+        """`reward_fn`: a `RewardHub` (worker pool, time limits, per-sample routing), or a plain
+        function, which is wrapped in a hub that calls it in-process."""
         self.clients, self.tokenizer, self.sampling = clients, tokenizer, sampling
-        self.reward_fn, self.system_prompt = reward_fn, system_prompt
+        self.reward_hub = reward_fn if isinstance(reward_fn, RewardHub) else RewardHub.from_function(reward_fn)
+        self.system_prompt = system_prompt
         self.dropped_prompts = 0
+        self.last_reward_stats: dict[str, float] = empty_stats()
 
     async def generate(self, rows: list[dict[str, Any]], step: int) -> list[Sample]:
         """Responses to `rows` (dicts with prompt, label, metadata), scored."""
@@ -55,10 +62,11 @@ class RolloutManager:
             per_engine[position % len(self.clients)].append((row_index, ids))
         groups = await asyncio.gather(*(self._on_engine(c, items, step) for c, items in zip(self.clients, per_engine)))
         by_row = dict(pair for group in groups for pair in group)
-        samples: list[Sample] = []
+        built: list[tuple[Sample, str]] = []
         for row_index, _ in prompts:
-            samples += self._score(by_row[row_index], rows[row_index], group_id=step * 1_000_000 + row_index)
-        return samples
+            built += self._samples(by_row[row_index], rows[row_index], group_id=step * 1_000_000 + row_index)
+        await self._score(built)
+        return [sample for sample, _ in built]
 
     def _encode(self, rows: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
         encoded = []
@@ -92,14 +100,19 @@ class RolloutManager:
         raw = await client.generate([ids for _, ids, _ in chunk], sampling_params=params, return_logprob=True)
         return [parse_generate_output(item) for item in (raw if isinstance(raw, list) else [raw])]
 
-    def _score(self, responses, row: dict[str, Any], group_id: int) -> list[Sample]:
-        samples = []
-        for prompt_ids, out in responses:
-            metadata = row.get("metadata") or {}
-            samples.append(Sample(
-                prompt_ids=list(prompt_ids), response_ids=out.output_ids, rollout_logprobs=out.logprobs,
-                reward=float(self.reward_fn(out.text, row.get("label"), metadata)), group_id=group_id,
-                policy_version=out.policy_version, label=row.get("label"), metadata=metadata,
-                finish_reason=out.finish_reason,
-            ))
-        return samples
+    def _samples(self, responses, row: dict[str, Any], group_id: int) -> list[tuple[Sample, str]]:
+        """Unscored samples of one prompt, each with its decoded response text."""
+        metadata = row.get("metadata") or {}
+        return [(Sample(
+            prompt_ids=list(prompt_ids), response_ids=out.output_ids, rollout_logprobs=out.logprobs,
+            group_id=group_id, policy_version=out.policy_version, label=row.get("label"),
+            metadata=metadata, finish_reason=out.finish_reason,
+        ), out.text) for prompt_ids, out in responses]
+
+    async def _score(self, built: list[tuple[Sample, str]]) -> None:
+        """Set every sample's reward in one concurrent hub call (failures score 0 and are counted)."""
+        items = [RewardItem(text, sample.label, sample.metadata) for sample, text in built]
+        results = await self.reward_hub.score(items)
+        for (sample, _), result in zip(built, results):
+            sample.reward = result.score
+        self.last_reward_stats = dict(self.reward_hub.last_stats)

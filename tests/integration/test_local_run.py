@@ -175,3 +175,36 @@ def test_bad_input_fails_before_anything_starts(tmp_path, overrides, words):
     for word in words:
         assert word in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no run directory, nothing started
+
+
+PLUGIN = '''from relax_core.rewards.registry import reward
+
+
+@reward("first_letter")
+def first_letter(response, label, metadata):
+    """1.0 when the response starts with the label's first letter."""
+    return float(bool(response) and response[0] == label[0])
+'''
+
+
+@pytest.mark.slow
+def test_a_reward_plugin_next_to_the_recipe_trains_with_no_other_change(tmp_path):
+    import yaml
+
+    (tmp_path / "my_rewards").mkdir()
+    (tmp_path / "my_rewards" / "letters.py").write_text(PLUGIN)
+    raw = yaml.safe_load(QUICKSTART.read_text())
+    raw["reward"] = {"name": "first_letter", "plugin_dirs": ["my_rewards"]}  # relative to the recipe file
+    raw["train"]["steps"] = 2
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = relax("submit", str(tmp_path / "recipe.yaml"), "--executor", "local", "--run-dir", "run", cwd=elsewhere)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (elsewhere / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(0.0 <= r["reward_mean"] <= 1.0 for r in rows)
+    assert rows[0]["reward_errors"] == 0
+
+    (tmp_path / "my_rewards" / "broken.py").write_text("import no_such_module\n")
+    proc = relax("submit", str(tmp_path / "recipe.yaml"), "--executor", "local", cwd=tmp_path)
+    assert proc.returncode == 2 and "broken.py" in proc.stderr and "no_such_module" in proc.stderr

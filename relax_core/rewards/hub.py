@@ -1,0 +1,222 @@
+"""The reward hub: scores a whole step's responses concurrently, never stopping the run.
+
+    RolloutManager --(response, label, metadata) x N--> RewardHub.score
+        route:  metadata["reward"] (a data set's reward column) or the recipe's reward.name
+        call:   async reward  -> awaited on the event loop, with the time limit
+                cheap reward  -> in-process (registered with in_process=True)
+                other sync    -> WorkerPool (pool.py): a worker process, killed past the limit
+        select: a float, or the dict entry named by reward.key (default "score")
+        --> one RewardResult per response (score 0 on error/timeout) + step stats
+
+Failures are counted per call (`reward_errors`, `reward_timeouts` in
+`last_stats`) and logged once per (reward, kind of failure), so a broken
+reward shows in the step metrics without flooding the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import numbers
+import time
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Any, Callable
+
+from relax_core.errors import UserError
+from relax_core.rewards import registry
+from relax_core.rewards.pool import Outcome, WorkerPool, default_workers
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardItem:
+    """One response to score."""
+
+    response: str
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class RewardResult:
+    """The score of one response: `status` is "ok", "error" or "timeout" (score 0 then)."""
+
+    score: float
+    reward: str
+    scores: dict[str, float] = field(default_factory=dict)
+    status: str = "ok"
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"score": self.score, "reward": self.reward}
+        if self.scores:
+            out["scores"] = self.scores
+        if self.error is not None:
+            out["error"] = self.error
+            out["status"] = self.status
+        return out
+
+
+class RewardHub:
+    """Scores responses with registered rewards (built-ins and plugins).
+
+    Args:
+        name: the default reward (the recipe's `reward.name`).
+        key: which entry of a dict-valued reward to train on (default "score",
+            or the only entry).
+        plugin_dirs: extra plugin folders (`reward.plugin_dirs`); imported now,
+            so a broken plugin raises `RewardPluginError` before any work.
+        timeout_s: time limit of one call (`reward.timeout_s`).
+        num_workers: worker processes for sync rewards (default: CPUs, at most 16);
+            started on the first call that needs them.
+        in_process: call every sync reward in this process (no pool, no time
+            limit for sync rewards): for debugging and the benchmark baseline.
+    """
+
+    def __init__(self, name: str = "exact_match", *, key: str | None = None,
+                 plugin_dirs: list[str] | tuple[str, ...] = (), timeout_s: float = 10.0,
+                 num_workers: int | None = None, in_process: bool = False):
+        self.default, self.key, self.timeout_s = name, key, timeout_s
+        self.plugin_dirs = [str(d) for d in plugin_dirs]
+        self.num_workers, self.in_process = num_workers or default_workers(), in_process
+        self._specs: dict[str, registry.RewardSpec] = {}
+        self._pool: WorkerPool | None = None
+        self._logged: set[tuple[str, str, str]] = set()
+        self.last_stats: dict[str, float] = empty_stats()
+        self.total_errors = self.total_timeouts = 0
+        names = registry.list_rewards(self.plugin_dirs)
+        if name not in names:
+            raise UserError(f"reward.name: no reward called '{name}' (available: {', '.join(names)})")
+
+    @classmethod
+    def from_config(cls, config, num_workers: int | None = None) -> "RewardHub":
+        """A hub for a recipe's `reward` section (`RewardConfig`)."""
+        workers = num_workers or getattr(config, "num_workers", None)
+        return cls(config.name, key=config.key, plugin_dirs=config.plugin_dirs,
+                   timeout_s=config.timeout_s, num_workers=workers)
+
+    @classmethod
+    def from_function(cls, fn: Callable, name: str | None = None, **kwargs) -> "RewardHub":
+        """A hub around one plain function, called in-process (the manager's legacy argument)."""
+        name = name or getattr(fn, "__name__", "reward")
+        hub = cls("exact_match", **kwargs)
+        hub.default = name
+        hub._specs[name] = registry.RewardSpec(name, fn, in_process=True, source="function")
+        return hub
+
+    # ------------------------------------------------------------- scoring
+    async def score(self, items: list[RewardItem]) -> list[RewardResult]:
+        """Score `items` concurrently; sets `last_stats` for this batch."""
+        start = time.perf_counter()
+        results = list(await asyncio.gather(*(self._score_one(item) for item in items)))
+        self.last_stats = batch_stats(results, time.perf_counter() - start)
+        self.total_errors += int(self.last_stats["reward_errors"])
+        self.total_timeouts += int(self.last_stats["reward_timeouts"])
+        return results
+
+    def score_sync(self, items: list[RewardItem]) -> list[RewardResult]:
+        """`score` for callers without an event loop (CLI, benchmark)."""
+        return asyncio.run(self.score(items))
+
+    async def _score_one(self, item: RewardItem) -> RewardResult:
+        name = (item.metadata or {}).get("reward") or self.default
+        try:
+            spec = self._spec(name)
+        except KeyError as exc:
+            return self._failed(name, Outcome("error", error=f"KeyError: {exc.args[0]}"))
+        outcome = await self._call(spec, item)
+        if outcome.status != "ok":
+            return self._failed(name, outcome)
+        try:
+            score, scores = select_score(outcome.value, self.key)
+        except ValueError as exc:
+            return self._failed(name, Outcome("error", error=f"ValueError: {exc}"))
+        return RewardResult(score, name, scores)
+
+    def _spec(self, name: str) -> registry.RewardSpec:
+        if name not in self._specs:
+            self._specs[name] = registry.get_spec(name, self.plugin_dirs)
+        return self._specs[name]
+
+    async def _call(self, spec: registry.RewardSpec, item: RewardItem) -> Outcome:
+        args = (item.response, item.label, item.metadata if item.metadata is not None else {})
+        try:
+            if spec.is_async:
+                return Outcome("ok", await asyncio.wait_for(spec.fn(*args), self.timeout_s))
+            if spec.in_process or self.in_process:
+                return Outcome("ok", spec.fn(*args))
+            return await self._get_pool().call(spec.name, spec.fn.__module__, args, self.timeout_s)
+        except TimeoutError:
+            return Outcome("timeout", error=f"no result within {self.timeout_s:g} s")
+        except Exception as exc:  # a reward bug must cost one sample, not the run
+            return Outcome("error", error=f"{type(exc).__name__}: {exc}")
+
+    def _get_pool(self) -> WorkerPool:
+        if self._pool is None:
+            self._pool = WorkerPool(self.num_workers, self.plugin_dirs)
+        return self._pool
+
+    def _failed(self, name: str, outcome: Outcome) -> RewardResult:
+        kind = (outcome.error or "").split(":")[0]
+        if (name, outcome.status, kind) not in self._logged:
+            self._logged.add((name, outcome.status, kind))
+            log.warning("reward '%s' %s (scored 0; further %s of this kind are only counted): %s",
+                        name, "timed out" if outcome.status == "timeout" else "failed",
+                        "timeouts" if outcome.status == "timeout" else "errors", outcome.error)
+        return RewardResult(0.0, name, status=outcome.status, error=outcome.error)
+
+    # ------------------------------------------------------------ lifetime
+    def warm_up(self) -> None:
+        """Start the worker processes now and wait until they are ready."""
+        self._get_pool().warm_up()
+
+    def close(self) -> None:
+        """Stop the worker processes (idempotent)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> "RewardHub":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def select_score(value: Any, key: str | None) -> tuple[float, dict[str, float]]:
+    """(the score to train on, all named scores) from a reward's return value."""
+    if isinstance(value, dict):
+        scores = {str(k): _finite(v, f"score '{k}'") for k, v in value.items()}
+        chosen = key or ("score" if "score" in scores or len(scores) != 1 else next(iter(scores)))
+        if chosen not in scores:
+            raise ValueError(f"reward returned scores {sorted(scores)} without '{chosen}' (set reward.key)")
+        return scores[chosen], scores
+    return _finite(value, "score"), {}
+
+
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, str) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} is {type(value).__name__}; a reward returns a float or a dict of floats")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{what} is {number}")
+    return number
+
+
+def empty_stats() -> dict[str, float]:
+    return {"reward_errors": 0, "reward_timeouts": 0, "reward_s": 0.0}
+
+
+def batch_stats(results: list[RewardResult], seconds: float) -> dict[str, float]:
+    """Failure counts, scoring time, and the mean of every named sub-score in the batch."""
+    stats = {"reward_errors": sum(r.status == "error" for r in results),
+             "reward_timeouts": sum(r.status == "timeout" for r in results), "reward_s": seconds}
+    named: dict[str, list[float]] = {}
+    for result in results:
+        for name, value in result.scores.items():
+            named.setdefault(name, []).append(value)
+    stats |= {f"reward_{name}_mean": fmean(values) for name, values in sorted(named.items())}
+    return stats
