@@ -78,7 +78,9 @@ def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, na
     nodes = getattr(recipe.cluster, group)
     ports = node_ports(job_id, index)
     temp_dir = Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir())) / f"rx{os.getuid()}-{job_id}-{index}"
-    command = [str(Path(sys.executable).with_name("ray")), "start", "--block", "--disable-usage-stats",
+    # `python -m ray.scripts.scripts`, not the `ray` script: in a venv over system packages
+    # (common with HPC modules) the script is not next to the interpreter.
+    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
                f"--node-ip-address={address}", f"--num-cpus={nodes.cpus_per_node}",
                f"--num-gpus={nodes.gpus_per_node}", f"--resources={json.dumps(node_resources(recipe, group, name))}",
                f"--temp-dir={temp_dir}", *ports.ray_start_flags(head=head_address is None)]

@@ -75,13 +75,14 @@ class OverlongConfig(AlgoSection):
     enabled: bool = True
     """Add the overlong penalty to the reward."""
     buffer_len: int | None = Field(None, ge=1)
-    """Window L_cache before L_max over which the penalty ramps from 0 to -1; a quarter of L_max if unset."""
+    """Window L_cache before L_max over which the penalty ramps from 0 to -1; a quarter of L_max (rounded
+    down) if unset, so a budget under 4 tokens has no window and nothing is penalised."""
     penalty_factor: float = Field(1.0, ge=0.0)
     """Scale of the penalty (1 = the paper's)."""
 
     def cache_len(self, max_new_tokens: int) -> int:
         """L_cache for a budget L_max = `max_new_tokens`."""
-        return self.buffer_len if self.buffer_len is not None else max(1, max_new_tokens // 4)
+        return self.buffer_len if self.buffer_len is not None else max_new_tokens // 4
 
 
 class AlgorithmCommon(AlgoSection):

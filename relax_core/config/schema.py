@@ -13,6 +13,16 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from relax_core.config.algorithms import (  # noqa: F401  (re-exported for catalog, preflight, setup)
+    ALGORITHM_MODELS,
+    AlgorithmConfig,
+    CriticConfig,
+    GRPOConfig,
+    KLConfig,
+    PPOConfig,
+    algorithm_problems,
+)
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -244,68 +254,7 @@ TrainConfig = Annotated[
 
 
 # ----------------------------------------------------------------- algorithm
-class KLConfig(Section):
-    """KL divergence to the frozen reference model."""
-
-    coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL loss term; 0 turns it off (and the reference model with it)."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 (log-ratio), k2 (squared), k3 (low-variance)."""
-
-
-class PolicyLossCommon(Section):
-    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
-    """Lower clip range of the importance ratio."""
-    eps_high: float = Field(0.2, gt=0.0)
-    """Upper clip range of the importance ratio (clip-higher when above eps_low)."""
-    dual_clip_c: float | None = Field(3.0, gt=1.0)
-    """Dual-clip bound for negative advantages; null disables it."""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
-    """How per-token losses are reduced to the step loss."""
-    kl: KLConfig = Field(default_factory=KLConfig)
-    """KL to the reference model."""
-    tis_cap: float | None = Field(None, gt=0.0)
-    """Truncated importance sampling cap C on rollout/trainer log-prob mismatch; null disables it."""
-
-
-class GRPOConfig(PolicyLossCommon):
-    """GRPO: group-normalised outcome advantages with the PPO clipped loss, no critic."""
-
-    name: Literal["grpo"] = "grpo"
-    """Algorithm name."""
-
-
-class CriticConfig(Section):
-    """The value model PPO trains next to the policy."""
-
-    lr: float = Field(1e-5, gt=0.0)
-    """Critic learning rate."""
-    value_clip: float = Field(0.2, gt=0.0)
-    """Clip range eps_v of the value loss."""
-    warmup_steps: int = Field(0, ge=0)
-    """Steps during which only the critic is trained."""
-
-
-class PPOConfig(PolicyLossCommon):
-    """PPO: GAE advantages from a learned critic, clipped policy loss."""
-
-    name: Literal["ppo"] = "ppo"
-    """Algorithm name."""
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    """Discount factor."""
-    lam: float = Field(0.95, ge=0.0, le=1.0)
-    """GAE lambda."""
-    critic: CriticConfig
-    """The critic (value model); required."""
-
-
-AlgorithmConfig = Annotated[
-    Union[Annotated[GRPOConfig, Tag("grpo")], Annotated[PPOConfig, Tag("ppo")]],
-    _tagged("name", "grpo"),
-]
-ALGORITHM_MODELS: dict[str, type[Section]] = {"grpo": GRPOConfig, "ppo": PPOConfig}
+# One typed config per algorithm lives in config/algorithms.py (re-exported here).
 
 
 # -------------------------------------------------------------------- reward
@@ -317,9 +266,11 @@ class RewardConfig(Section):
     key: str | None = None
     """When the reward returns several named scores, the one to train on."""
     plugin_dirs: list[str] = Field(default_factory=list)
-    """Extra folders whose `*.py` files define rewards with `@reward("name")`."""
+    """Extra folders whose `*.py` files define rewards with `@reward("name")`; relative to the recipe file."""
     timeout_s: float = Field(10.0, gt=0.0)
     """Time limit of one reward call; a call past it scores 0."""
+    num_workers: int = Field(0, ge=0)
+    """Worker processes for synchronous rewards; 0: one per CPU core, at most 16."""
 
 
 # ------------------------------------------------------------------- cluster
@@ -464,7 +415,7 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Recipe":
-        problems = _mode_problems(self) + _engine_problems(self) + _train_problems(self)
+        problems = _mode_problems(self) + _engine_problems(self) + _train_problems(self) + _algorithm_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -538,3 +489,12 @@ def _train_problems(r: Recipe) -> list[str]:
             f"split evenly over {r.data_parallel} data-parallel ranks"
         )
     return problems
+
+
+def _algorithm_problems(r: Recipe) -> list[str]:
+    return algorithm_problems(
+        r.algorithm,
+        mode=r.mode,
+        group_size=r.rollout.n_samples_per_prompt,
+        max_new_tokens=r.rollout.max_new_tokens,
+    )

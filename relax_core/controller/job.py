@@ -24,6 +24,7 @@ from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = "engine_api_key"
+ROUND_KEY_STRIDE = 10_000_000  # > any step count, so (step, round) keys never collide
 
 
 class Job:
@@ -107,8 +108,21 @@ class Job:
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:
+        """The step's scored samples: one generation round, or DAPO's rounds (controller/sampling_rounds.py)."""
+        from relax_core.controller.sampling_rounds import collect_batch
+
+        ro, algo = self.recipe.rollout, self.recipe.algorithm
+        samples, stats = collect_batch(lambda r: self._generate_round(step, r), algo,
+                                       max_new_tokens=ro.max_new_tokens, target_groups=ro.prompts_per_step)
+        if getattr(algo, "dynamic_sampling", None) is not None:  # DAPO: log what the rounds did
+            self.rollout_manager.last_reward_stats = self.rollout_manager.last_reward_stats | stats.as_metrics()
+        return samples
+
+    def _generate_round(self, step: int, round_index: int) -> list[Sample]:
+        # Round r > 0 of a step samples with its own seeds and group ids (the manager derives both from this key).
+        key = step + round_index * ROUND_KEY_STRIDE
         rows = self.prompts.next_batch(self.recipe.rollout.prompts_per_step)
-        return self.loop.run_until_complete(self.rollout_manager.generate(rows, step))
+        return self.loop.run_until_complete(self.rollout_manager.generate(rows, key))
 
     def train(self, samples: list[Sample]) -> dict[str, float]:
         world = len(self.trainers)

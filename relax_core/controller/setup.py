@@ -29,12 +29,17 @@ def prepare_model_dir(recipe: Recipe, run: RunDir) -> Path:
                                    num_kv_heads=model.num_kv_heads)
         return target
     assert isinstance(model, HFModel)
-    local = Path(model.path).expanduser()
+    return resolve_model_path(model.path)
+
+
+def resolve_model_path(path: str) -> Path:
+    """A local HF model directory as is, else the hub snapshot of that id (fetched once)."""
+    local = Path(path).expanduser()
     if local.is_dir():
         return local.resolve()
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(model.path))
+    return Path(snapshot_download(path))
 
 
 def trainer_config(recipe: Recipe):
@@ -42,15 +47,34 @@ def trainer_config(recipe: Recipe):
     from relax_core.train.config import TorchTrainerConfig
 
     train, algo = recipe.train, recipe.algorithm
+    spec = algo.spec
     return TorchTrainerConfig(
         lr=train.lr, weight_decay=train.weight_decay, betas=tuple(train.adam_betas), grad_clip=train.grad_clip,
         lr_schedule=train.lr_schedule, warmup_steps=train.warmup_steps, total_steps=train.steps,
         min_lr_ratio=train.min_lr / train.lr, micro_batch_size=train.micro_batch_size,
-        advantage_estimator=algo.name, policy_loss="ppo_clip", eps_low=algo.eps_low, eps_high=algo.eps_high,
-        dual_clip_c=algo.dual_clip_c, loss_agg=algo.loss_agg, norm_len=recipe.rollout.max_new_tokens,
-        use_kl_loss=algo.kl.coef > 0, kl_coef=algo.kl.coef, kl_estimator=algo.kl.estimator, tis_cap=algo.tis_cap,
-        seed=train.seed, dtype=recipe.model.dtype,
+        advantage_estimator=spec.advantage_estimator, estimator_kwargs=algo.estimator_kwargs(),
+        policy_loss=spec.policy_loss, loss_kwargs=algo.loss_kwargs(), loss_agg=algo.loss_agg,
+        norm_len=algo.norm_len or recipe.rollout.max_new_tokens,
+        use_kl_loss=algo.kl_loss_coef > 0, kl_coef=algo.kl_loss_coef, use_reference=algo.uses_reference,
+        kl_estimator=algo.kl.estimator, tis_cap=algo.tis_cap, seed=train.seed, dtype=recipe.model.dtype,
+        **_teacher(algo), **_critic(algo),
     )
+
+
+def _critic(algo) -> dict:
+    critic = getattr(algo, "critic", None)
+    if critic is None:
+        return {}
+    path = str(resolve_model_path(critic.init_from)) if critic.init_from else None
+    return {"critic_lr": critic.lr, "critic_path": path, "critic_value_clip": critic.value_clip,
+            "critic_warmup_steps": critic.warmup_steps}
+
+
+def _teacher(algo) -> dict:
+    teacher = getattr(algo, "teacher", None)
+    if teacher is None:
+        return {}
+    return {"teacher_path": str(resolve_model_path(teacher.path)), "teacher_dtype": teacher.dtype}
 
 
 def sampling_config(recipe: Recipe):

@@ -13,11 +13,17 @@ import shutil
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id, reference_problems
-from relax_core.config.schema import HFModel, PPOConfig, Recipe, SyntheticData, TinyModel
+from relax_core.config.schema import HFModel, Recipe, SyntheticData, TinyModel
 from relax_core.errors import RecipeError
 from relax_core.models.tiny import TEMPLATE_CHARS
 
 IMPLEMENTED_MODES = ("colocate",)
+# Algorithms the torch trainer and the colocate loop run end to end; the
+# others validate (relax list algorithms shows them) but are refused here.
+WIRED_ALGORITHMS = frozenset({
+    "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "sapo", "cispo", "m2po",
+    "opd", "dapo", "ppo",
+})
 # Chat-template tokens around one user turn with the tiny tokenizer (one token per
 # character, one per special token): "<|im_start|>user\n" ... "<|im_end|>\n<|im_start|>assistant\n".
 _TINY_TEMPLATE_TOKENS = 1 + 5 + 1 + 1 + 1 + 10
@@ -52,9 +58,12 @@ def preflight(recipe: Recipe, recipe_path: str | Path, executor: str) -> None:
 
 
 def _reward_problems(recipe: Recipe) -> list[str]:
-    from relax_core.rewards.registry import list_rewards
+    from relax_core.rewards.registry import RewardPluginError, list_rewards
 
-    names = list_rewards()
+    try:
+        names = list_rewards(recipe.reward.plugin_dirs)
+    except RewardPluginError as exc:
+        return [f"reward.plugin_dirs: {exc}"]
     if recipe.reward.name in names:
         return []
     return [f"reward.name: no reward called '{recipe.reward.name}' (available: {', '.join(names)})"]
@@ -98,8 +107,11 @@ def _feature_problems(recipe: Recipe) -> list[str]:
     problems = []
     if recipe.mode not in IMPLEMENTED_MODES:
         problems.append(f"mode: {recipe.mode} is not available in this version of Relax; use mode: colocate")
-    if isinstance(recipe.algorithm, PPOConfig):
-        problems.append("algorithm.name: ppo (critic training) is not available in this version of Relax; use grpo")
+    if recipe.algorithm.name not in WIRED_ALGORITHMS:
+        problems.append(
+            f"algorithm.name: {recipe.algorithm.name} is not available in this version of Relax "
+            f"(available: {', '.join(sorted(WIRED_ALGORITHMS))})"
+        )
     return problems
 
 

@@ -1,11 +1,16 @@
-"""Torch training backend: a Hugging Face causal LM trained with GRPO-style losses.
+"""Torch training backend: a Hugging Face causal LM trained with the algorithm suite's losses.
 
 The CPU counterpart of the Megatron backend. The controller hands each
-data-parallel rank its shard of a step's `Sample`s; `train_step` computes
-advantages over the whole step (all ranks), recomputes the old log-probs,
-accumulates the loss over micro-batches, all-reduces the gradients over the
+data-parallel rank its shard of a step's `Sample`s; `train_step` recomputes
+the old (and reference) log-probs, computes per-token advantages with the
+algorithm's estimator over the whole step (all ranks; step_advantages.py),
+accumulates the algorithm's policy loss over micro-batches, all-reduces the gradients over the
 process group (gloo here) and takes an AdamW step. Weight sync reads
 `named_parameters_for_sync`, checkpointing `state_dict`/`load_state_dict`.
+
+With a critic (PPO, critic.py) the step also reads its values before the
+update (they feed GAE) and takes one critic optimizer step per mini-batch
+after the policy's; a teacher (on-policy distillation) adds its log-probs.
 
 Loss normalisers (token and sequence counts) are summed over every
 micro-batch and rank of a mini-batch before the first backward, and gradients
@@ -33,6 +38,8 @@ from relax_core.train.batching import (
     shard_bounds,
 )
 from relax_core.train.config import TorchTrainerConfig
+from relax_core.train.critic import Critic
+from relax_core.train.step_advantages import StepResult, StepRows, pad_rows, step_advantages
 from relax_core.train.optim import build_optimizer, build_scheduler
 
 # Order of the per-update metric sums that are all-reduced in one tensor.
@@ -44,11 +51,15 @@ class _Micro:
     """A packed micro-batch with the per-step constants of its samples."""
 
     mb: MicroBatch
-    advantages: torch.Tensor  # [B]
     logp_old: (
         torch.Tensor | None
     )  # [B, R]; None: take the update forward's own (see _on_policy)
     logp_ref: torch.Tensor | None  # [B, R]
+    logp_teacher: torch.Tensor | None = None  # [B, R] (opd)
+    values: torch.Tensor | None = None  # [B, R] critic values before the step (ppo)
+    returns: torch.Tensor | None = None  # [B, R] gae returns, the critic's target
+    advantages: torch.Tensor | None = None  # [B, R], set once the step's advantages are known
+    keep: torch.Tensor | None = None  # [B, R] M2PO's kept tokens; None = all
 
 
 @dataclass
@@ -75,8 +86,9 @@ class TorchTrainer:
     Args:
         model_path: HF model directory (config.json, safetensors, tokenizer).
         config: optimizer/loss settings.
-        ref_model_path: frozen reference model for the KL loss; defaults to
-            `model_path` (the initial policy). Loaded only when the KL loss is on.
+        ref_model_path: frozen reference model for the KL (loss term or in the
+            reward); defaults to `model_path` (the initial policy). Loaded only
+            when a KL is on or `config.use_reference` is set.
         process_group: data-parallel group; None = the default group if
             torch.distributed is initialised, else a single process.
     """
@@ -97,11 +109,20 @@ class TorchTrainer:
         self.group = process_group
         self.model = load_causal_lm(model_path, cfg.dtype, cfg.device)
         self.ref_model = None
-        if cfg.use_kl_loss:
+        if cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward:
             self.ref_model = load_causal_lm(
                 ref_model_path or model_path, cfg.dtype, cfg.device
             )
             self.ref_model.requires_grad_(False)
+        self.teacher = None
+        if cfg.teacher_path:
+            self.teacher = load_causal_lm(cfg.teacher_path, cfg.teacher_dtype, cfg.device)
+            self.teacher.requires_grad_(False)
+        self.critic = None
+        if cfg.critic_lr is not None:
+            self.critic = Critic(cfg.critic_path or model_path, lr=cfg.critic_lr, value_clip=cfg.critic_value_clip,
+                                 dtype=cfg.dtype, device=cfg.device, weight_decay=cfg.weight_decay,
+                                 betas=tuple(cfg.betas), adam_eps=cfg.adam_eps)
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = build_optimizer(
             self.model.parameters(),
@@ -118,8 +139,12 @@ class TorchTrainer:
             min_lr_ratio=cfg.min_lr_ratio,
         )
         self.step = 0
-        self._advantage_fn = registry.get_advantage_estimator(cfg.advantage_estimator)
-        self._policy_loss = registry.get_policy_loss(cfg.policy_loss)
+        self._estimator = registry.get_estimator(cfg.advantage_estimator)
+        self._policy_loss = registry.get_loss(cfg.policy_loss)
+        self._loss_kwargs = dict(cfg.loss_kwargs) if cfg.loss_kwargs is not None else {
+            "eps_low": cfg.eps_low, "eps_high": cfg.eps_high, "dual_clip_c": cfg.dual_clip_c}
+        # M2PO selects its tokens over the whole step, not per micro-batch.
+        self._m2_threshold = self._loss_kwargs.pop("m2_threshold", 0.04) if cfg.policy_loss == "m2po" else None
         self._agg = registry.get_loss_aggregator(cfg.loss_agg)
         self._kl_fn = registry.get_kl_estimator(cfg.kl_estimator)
 
@@ -180,48 +205,95 @@ class TorchTrainer:
             the step; losses and grad_norm are means over its optimizer steps.
         """
         cfg = self.config
-        adv, step_info = self._step_advantages(samples, advantages)
         bounds = shard_bounds(len(samples), cfg.num_mini_batches)
-        minis = [
-            self._prepare(samples[a:b], adv[a:b]) for a, b in zip(bounds, bounds[1:])
-        ]
+        micro_lists = [self._prepare(samples[a:b]) for a, b in zip(bounds, bounds[1:])]
+        step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
+        minis = [self._normalisers(ms, samples[a:b]) for ms, (a, b) in zip(micro_lists, zip(bounds, bounds[1:]))]
         lr = self.scheduler.get_last_lr()[0]
         totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+        critic_totals = torch.zeros(3, dtype=torch.float64)  # value loss, clipped tokens, tokens
         grad_norms = []
+        train_policy = self.critic is None or self.step >= cfg.critic_warmup_steps
         for _ in range(cfg.num_epochs):
             for mini in minis:
-                sums, grad_norm = self._update(mini)
-                totals += sums
-                grad_norms.append(grad_norm)
+                if train_policy:
+                    sums, grad_norm = self._update(mini)
+                    totals += sums
+                    grad_norms.append(grad_norm)
+                if self.critic is not None:
+                    critic_totals += self._critic_update(mini)
         self.scheduler.step()
         self.step += 1
-        return self._metrics(
-            totals, len(minis) * cfg.num_epochs, grad_norms, lr, step_info
-        )
+        metrics = self._metrics(totals, max(len(grad_norms), 1), grad_norms or [0.0], lr, step_info)
+        if self.critic is not None:
+            updates = len(minis) * cfg.num_epochs
+            metrics.update(value_loss=float(critic_totals[0]) / updates,
+                           vf_clipfrac=float(critic_totals[1]) / max(float(critic_totals[2]), 1.0))
+        return metrics
 
-    def _step_advantages(
-        self, samples: Sequence[Sample], given: Sequence[float] | None
-    ):
-        """Per-local-sample advantages and step-wide reward statistics."""
-        gathered = self._all_gather([(s.reward, s.group_id) for s in samples])
-        everything = [item for part in gathered for item in part]
-        rewards = torch.tensor([r for r, _ in everything], dtype=torch.float32)
+    @property
+    def _kl_in_reward(self) -> bool:
+        return float(self.config.estimator_kwargs.get("kl_coef", 0.0)) > 0
+
+    @property
+    def _needs_logp_old(self) -> bool:
+        """The estimator or the token selection reads logp_old before the update."""
+        return (self.config.advantage_estimator == "opd" or self._kl_in_reward
+                or self._m2_threshold is not None)
+
+    def _step_rows(self, samples: Sequence[Sample], micros: list[_Micro]) -> StepRows:
+        """This rank's inputs of the step's estimator, as per-sample lists."""
+        rows = StepRows([s.reward for s in samples], [s.group_id for s in samples], {"mask": []})
+        wanted = {"kl": self._kl_in_reward, "logp": self._needs_logp_old,
+                  "logp_rollout": self._m2_threshold is not None, "logp_teacher": self.teacher is not None,
+                  "values": self.critic is not None}
+        rows.tokens.update({key: [] for key, on in wanted.items() if on})
+        for micro in micros:
+            mb = micro.mb
+            rows.tokens["mask"] += mb.response_lists(mb.loss_mask)
+            if wanted["kl"]:
+                rows.tokens["kl"] += mb.response_lists(self._kl_fn(micro.logp_old, micro.logp_ref))
+            if wanted["logp"]:
+                rows.tokens["logp"] += mb.response_lists(micro.logp_old)
+            if wanted["logp_rollout"]:
+                rows.tokens["logp_rollout"] += mb.response_lists(mb.rollout_logprobs)
+            if wanted["logp_teacher"]:
+                rows.tokens["logp_teacher"] += mb.response_lists(micro.logp_teacher)
+            if wanted["values"]:
+                rows.tokens["values"] += mb.response_lists(micro.values)
+        return rows
+
+    def _set_advantages(
+        self, samples: Sequence[Sample], micros: list[_Micro], given: Sequence[float] | None
+    ) -> dict[str, float]:
+        """Fill each micro-batch's `[B, R]` advantages (and M2PO keep mask); return reward statistics."""
+        local = self._step_rows(samples, micros)
+        gathered = self._all_gather(local)
+        step = StepRows.concat(gathered)
         info = {
-            "reward_mean": float(rewards.mean()) if len(everything) else 0.0,
-            "num_samples": float(len(everything)),
+            "reward_mean": sum(step.rewards) / len(step.rewards) if step.rewards else 0.0,
+            "num_samples": float(len(step.rewards)),
         }
         if given is not None:
             if len(given) != len(samples):
-                raise ValueError(
-                    f"got {len(given)} advantages for {len(samples)} samples"
-                )
-            return torch.tensor(list(given), dtype=torch.float32), info
-        # Group ids may be any hashable; number them densely for the estimator.
-        numbering: dict = {}
-        group_ids = [numbering.setdefault(g, len(numbering)) for _, g in everything]
-        adv = self._advantage_fn(rewards, group_ids) if everything else rewards
-        offset = sum(len(part) for part in gathered[: self.rank])
-        return adv[offset : offset + len(samples)], info
+                raise ValueError(f"got {len(given)} advantages for {len(samples)} samples")
+            result = StepResult([[float(a)] * len(m) for a, m in zip(given, local.tokens["mask"])])
+        else:
+            result = step_advantages(self._estimator, self.config.estimator_kwargs, step,
+                                     m2_threshold=self._m2_threshold)
+            offset = sum(len(part.rewards) for part in gathered[: self.rank])
+            result = result.rows(offset, offset + len(samples))
+        if self.critic is not None and result.returns is None:
+            raise ValueError(f"the critic needs returns; estimator {self.config.advantage_estimator} gives none")
+        start, device = 0, self.config.device
+        for micro in micros:
+            n, width = micro.mb.loss_mask.shape
+            part = result.rows(start, start + n)
+            micro.advantages = pad_rows(part.advantages, width).to(device)
+            micro.keep = pad_rows(part.keep, width).to(device) if part.keep is not None else None
+            micro.returns = pad_rows(part.returns, width).to(device) if part.returns is not None else None
+            start += n
+        return info
 
     @property
     def _on_policy(self) -> bool:
@@ -234,28 +306,26 @@ class TorchTrainer:
         return self.config.num_mini_batches == 1 and self.config.num_epochs == 1
 
     @torch.no_grad()
-    def _prepare(self, samples: Sequence[Sample], adv: torch.Tensor) -> _Mini:
-        """Pack one mini-batch, compute logp_old (and logp_ref) and the global normalisers."""
+    def _prepare(self, samples: Sequence[Sample]) -> list[_Micro]:
+        """Pack one mini-batch and compute logp_old (when needed) and logp_ref per micro-batch."""
         cfg = self.config
         micros = []
-        for start in range(0, len(samples), cfg.micro_batch_size):
-            part = samples[start : start + cfg.micro_batch_size]
+        for part in chunks(samples, cfg.micro_batch_size) if samples else []:
             mb = self._pack(part)
-            logp_old = None if self._on_policy else forward_logprobs(self.model, mb)[0]
-            logp_ref = (
-                forward_logprobs(self.ref_model, mb)[0]
-                if self.ref_model is not None
-                else None
-            )
-            a = adv[start : start + cfg.micro_batch_size].to(cfg.device)
-            micros.append(_Micro(mb, a, logp_old, logp_ref))
-        counts = torch.tensor(
-            [sum(m.mb.num_tokens for m in micros), float(len(samples))],
-            dtype=torch.float64,
-        )
-        max_len = torch.tensor(
-            [max([s.response_len for s in samples] + [0])], dtype=torch.float64
-        )
+            need_old = self._needs_logp_old or not self._on_policy
+            logp_old = forward_logprobs(self.model, mb)[0] if need_old else None
+            logp_ref = forward_logprobs(self.ref_model, mb)[0] if self.ref_model is not None else None
+            logp_teacher = forward_logprobs(self.teacher, mb)[0] if self.teacher is not None else None
+            values = self.critic.values(mb) if self.critic is not None else None
+            micros.append(_Micro(mb, logp_old, logp_ref, logp_teacher, values))
+        return micros
+
+    def _normalisers(self, micros: list[_Micro], samples: Sequence[Sample]) -> _Mini:
+        """The mini-batch's step-global token count (kept tokens for M2PO), sequence count and norm_len."""
+        cfg = self.config
+        tokens = sum(float((m.mb.loss_mask * (m.keep if m.keep is not None else 1.0)).sum()) for m in micros)
+        counts = torch.tensor([tokens, float(len(samples))], dtype=torch.float64)
+        max_len = torch.tensor([max([s.response_len for s in samples] + [0])], dtype=torch.float64)
         self._all_reduce(counts)
         self._all_reduce(max_len, dist.ReduceOp.MAX)
         norm_len = float(cfg.norm_len) if cfg.norm_len else float(max_len)
@@ -284,16 +354,11 @@ class TorchTrainer:
         cfg, mb = self.config, micro.mb
         logp, entropy = forward_logprobs(self.model, mb, with_entropy=True)
         logp_old = logp.detach() if micro.logp_old is None else micro.logp_old
-        out = self._policy_loss(
-            logp,
-            logp_old,
-            micro.advantages.unsqueeze(-1),
-            eps_low=cfg.eps_low,
-            eps_high=cfg.eps_high,
-            dual_clip_c=cfg.dual_clip_c,
-        )
+        mask = mb.loss_mask if micro.keep is None else mb.loss_mask * micro.keep
+        extra = {"keep_mask": micro.keep} if micro.keep is not None else {}
+        out = self._policy_loss(logp, logp_old, micro.advantages, mask=mb.loss_mask,
+                                logp_rollout=mb.rollout_logprobs, **self._loss_kwargs, **extra)
         per_token = out.loss
-        mask = mb.loss_mask
         weight = None
         if cfg.tis_cap is not None:
             weight = tis_weight(logp_old, mb.rollout_logprobs, cfg.tis_cap)
@@ -305,7 +370,7 @@ class TorchTrainer:
         }
         pg_loss = self._agg(per_token, mask, **norms)
         loss, kl_loss, kl_sum = pg_loss, torch.zeros(()), 0.0
-        if micro.logp_ref is not None:
+        if micro.logp_ref is not None and cfg.use_kl_loss:
             kl = self._kl_fn(logp, micro.logp_ref)
             kl_loss = self._agg(kl, mask, **norms)
             loss = loss + cfg.kl_coef * kl_loss
@@ -328,11 +393,28 @@ class TorchTrainer:
         values += [float((entropy * mask).sum()), kl_sum, tis_sum, float(mask.sum())]
         return torch.tensor(values, dtype=torch.float64)
 
-    def _all_reduce_grads(self) -> None:
+    def _critic_update(self, mini: _Mini) -> torch.Tensor:
+        """One critic optimizer step on the mini-batch (token-mean clipped value loss); its metric sums."""
+        critic = self.critic
+        critic.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(3, dtype=torch.float64)
+        for micro in mini.micros:
+            loss, clipped = critic.loss(micro.mb, micro.values, micro.returns, mini.tokens)
+            loss.backward()
+            sums += torch.tensor([float(loss.detach()), clipped, micro.mb.num_tokens], dtype=torch.float64)
+        self._all_reduce_grads(critic.parameters())
+        self._all_reduce(sums)
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
+        torch.nn.utils.clip_grad_norm_(critic.parameters(), max_norm)
+        critic.optimizer.step()
+        return sums
+
+    def _all_reduce_grads(self, params: list | None = None) -> None:
         """Sum gradients over ranks in one flat buffer (ranks with no samples contribute zeros)."""
         if not (self.distributed and self.world_size > 1):
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        if params is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self._all_reduce(flat)
@@ -363,7 +445,7 @@ class TorchTrainer:
             / self.config.num_epochs,  # learned tokens in the step
             **info,
         }
-        if self.ref_model is not None:
+        if self.config.use_kl_loss:
             metrics.update(kl_loss=s["kl_loss"] / updates, kl=s["kl"] / tokens)
         if self.config.tis_cap is not None:
             metrics["tis_weight"] = s["tis"] / tokens
@@ -386,6 +468,7 @@ class TorchTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
+            **({"critic": self.critic.state_dict()} if self.critic is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -396,4 +479,6 @@ class TorchTrainer:
             self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        if "critic" in state and self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
         self.step = int(state.get("step", self.step))

@@ -54,6 +54,13 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def steps_done(run: Path, count: int):
+    """True once `count` steps are logged; fails at once if the job already failed."""
+    state = json.loads((run / "run.json").read_text())
+    assert state.get("state") != "failed", f"the job failed: {state.get('error')}\n{logs_of(run)}"
+    return len(metrics(run)) >= count
+
+
 def metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
@@ -85,7 +92,7 @@ def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp
 def test_ray_cluster_refuses_a_driver_without_the_token(slurm_cluster, tmp_path):
     submit(tmp_path, "runs/sec", "train.steps=400", "checkpoint.interval=1000")
     run = tmp_path / "runs" / "sec"
-    wait_for(lambda: metrics(run), 240, "the first step")
+    wait_for(lambda: steps_done(run, 1), 240, "the first step")
     head = json.loads((run / "run.json").read_text())["ray_head"]
     attach = ("import ray, sys\n"
               "try:\n    ray.init(address=sys.argv[1]); print('ATTACHED', ray.cluster_resources())\n"
@@ -110,7 +117,7 @@ def test_ray_cluster_refuses_a_driver_without_the_token(slurm_cluster, tmp_path)
 def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     job_id = submit(tmp_path, "runs/pre", "train.steps=40", "checkpoint.interval=1000")
     run = tmp_path / "runs" / "pre"
-    wait_for(lambda: len(metrics(run)) >= 3, 240, "three steps")
+    wait_for(lambda: steps_done(run, 3), 240, "three steps")
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
     requeued = wait_for(lambda: json.loads((run / "run.json").read_text()).get("restart_count", 0) >= 1
                         and json.loads((run / "run.json").read_text()), 240, "the requeued job to start")

@@ -115,7 +115,7 @@ def test_list_algorithms_json_matches_what_recipes_accept(tmp_path):
     base = yaml.safe_load(QUICKSTART.read_text())
     for name in names:
         recipe = tmp_path / f"{name}.yaml"
-        extra = {"critic": {}} if name == "ppo" else {}
+        extra = {"ppo": {"critic": {}}, "opd": {"teacher": {"path": "teacher"}}}.get(name, {})
         recipe.write_text(yaml.safe_dump(base | {"algorithm": {"name": name, **extra}}))
         assert relax("validate", str(recipe)).returncode == 0
     assert all(e["description"] and isinstance(e["parameters"], dict) for e in entries)

@@ -1,0 +1,96 @@
+"""One step's rollout batch, in one or more generation rounds: DAPO's overlong shaping and dynamic sampling.
+
+`Job.rollout` calls `collect_batch` with a function that generates and scores
+one round of `rollout.prompts_per_step` prompts. For most algorithms that is
+the whole batch. For DAPO (algorithms/dapo.py holds the formulas):
+
+- overlong shaping: each sample's reward gets `penalty_factor * penalty(L)`
+  (0 up to `L_max - L_cache`, a ramp to -1 at `L_max`), L_max =
+  `rollout.max_new_tokens`;
+- dynamic sampling: groups whose (shaped) rewards are all equal carry no
+  learning signal and are dropped; more rounds are generated until the batch
+  holds `prompts_per_step` groups, at most `max_num_gen_batches` rounds. The
+  batch is then cut to exactly that many groups. If the last round ends with
+  fewer, the step trains on what it has, and if no group at all survived it
+  trains on the last round unfiltered (zero advantages, a no-op update)
+  rather than on an empty batch.
+
+The filter looks at the shaped reward: a length difference alone is a signal.
+Plain Python over `Sample`s, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from relax_core.algorithms.dapo import dynamic_sampling_keep, penalty_for_length
+from relax_core.rollout.types import Sample
+
+
+@dataclass
+class RoundStats:
+    """What the rounds of one step did (for logs and metrics)."""
+
+    rounds: int = 0
+    groups_generated: int = 0
+    groups_kept: int = 0
+    overlong_penalised: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"gen_rounds": float(self.rounds), "groups_generated": float(self.groups_generated),
+                "groups_kept": float(self.groups_kept), "overlong_penalised": float(self.overlong_penalised)}
+
+
+def shape_overlong(samples: list[Sample], max_len: int, cache_len: int, factor: float) -> int:
+    """Add the soft overlong penalty to each sample's reward; returns how many were penalised."""
+    hit = 0
+    for s in samples:
+        penalty = factor * penalty_for_length(s.response_len, max_len, cache_len)
+        if penalty:
+            s.reward += penalty
+            hit += 1
+    return hit
+
+
+def group_order(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples grouped by `group_id`, groups in order of first appearance."""
+    groups: dict = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return list(groups.values())
+
+
+def informative_groups(samples: list[Sample]) -> list[list[Sample]]:
+    """The groups whose rewards are not all equal."""
+    keep = dynamic_sampling_keep([s.reward for s in samples], [s.group_id for s in samples])
+    return group_order([s for s, k in zip(samples, keep) if k])
+
+
+def collect_batch(generate_round: Callable[[int], list[Sample]], algorithm, *, max_new_tokens: int,
+                  target_groups: int) -> tuple[list[Sample], RoundStats]:
+    """The step's samples: `generate_round(r)` for r = 0, 1, ... as the algorithm's sampling asks."""
+    stats = RoundStats()
+    overlong = getattr(algorithm, "overlong", None)
+    dynamic = getattr(algorithm, "dynamic_sampling", None)
+    filtering = dynamic is not None and dynamic.enabled
+    rounds = dynamic.max_num_gen_batches if filtering else 1
+    kept: list[list[Sample]] = []
+    last: list[Sample] = []
+    for r in range(rounds):
+        last = generate_round(r)
+        stats.rounds += 1
+        stats.groups_generated += len(group_order(last))
+        if overlong is not None and overlong.enabled and overlong.cache_len(max_new_tokens) > 0:
+            stats.overlong_penalised += shape_overlong(last, max_new_tokens, overlong.cache_len(max_new_tokens),
+                                                       overlong.penalty_factor)
+        if not filtering:
+            return last, stats
+        kept += informative_groups(last)
+        if len(kept) >= target_groups:
+            break
+    kept = kept[:target_groups]
+    stats.groups_kept = len(kept)
+    if not kept:
+        return last, stats
+    return [s for group in kept for s in group], stats

@@ -1,0 +1,93 @@
+"""PPO's critic: the policy's architecture with a scalar value head, trained next to the policy.
+
+Lives inside `TorchTrainer` (same process, same data-parallel group): the
+trainer asks it for `values` of a packed micro-batch before the step (they
+feed GAE, algorithms/estimators.py:gae) and for the clipped value loss of
+each micro-batch during the update (algorithms/policy_losses.py:value_loss,
+token-mean over the step). It has its own AdamW; the trainer all-reduces
+its gradients exactly as the policy's and saves it under the "critic" key of
+its state dict.
+
+`V_t`, the value of the state before response token t, is read from the
+hidden state at the position whose logits predict token t (the micro-batch's
+`logit_index`), as the policy's log-prob of token t is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from relax_core.algorithms.aggregation import token_mean
+from relax_core.algorithms.policy_losses import value_loss
+from relax_core.train.batching import MicroBatch
+from relax_core.train.optim import build_optimizer
+
+
+class ValueModel(torch.nn.Module):
+    """HF base model (no LM head) + `Linear(hidden, 1)`; the head starts at 0, so V = 0 before training."""
+
+    def __init__(self, path: str | Path, dtype: str) -> None:
+        super().__init__()
+        from transformers import AutoModel
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the causal LM's lm_head is expectedly unused: no load report
+        try:
+            self.body = AutoModel.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        finally:
+            hf_logging.set_verbosity(level)
+        self.head = torch.nn.Linear(self.body.config.hidden_size, 1, dtype=getattr(torch, dtype))
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, mb: MicroBatch) -> torch.Tensor:
+        """`[B, R]` float32 values at the response positions."""
+        hidden = self.body(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                           position_ids=mb.position_ids, use_cache=False).last_hidden_state
+        index = mb.logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        return self.head(torch.gather(hidden, 1, index)).squeeze(-1).float()
+
+
+class Critic:
+    """The value model and its optimizer.
+
+    Args:
+        path: HF directory its body is initialised from (the policy's by default).
+        lr: its AdamW learning rate.
+        value_clip: eps_v of the clipped value loss.
+        dtype / device: as the policy's.
+        weight_decay / betas / adam_eps: AdamW settings (the policy's).
+    """
+
+    def __init__(self, path: str | Path, *, lr: float, value_clip: float, dtype: str, device: str,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8):
+        self.model = ValueModel(path, dtype).to(device).eval()  # eval: no dropout, as the policy
+        self.value_clip = value_clip
+        self.optimizer = build_optimizer(self.model.parameters(), lr=lr, weight_decay=weight_decay,
+                                         betas=tuple(betas), eps=adam_eps)
+
+    @torch.no_grad()
+    def values(self, mb: MicroBatch) -> torch.Tensor:
+        return self.model(mb)
+
+    def loss(self, mb: MicroBatch, values_old: torch.Tensor, returns: torch.Tensor,
+             global_tokens: float) -> tuple[torch.Tensor, float]:
+        """This micro-batch's share of the step's token-mean value loss, and its clipped-token count."""
+        out = value_loss(self.model(mb), values_old, returns, mask=mb.loss_mask, value_clip=self.value_clip)
+        clipped = float((out.clipped * mb.loss_mask).sum())
+        return token_mean(out.loss, mb.loss_mask, global_tokens=global_tokens), clipped
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
