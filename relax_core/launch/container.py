@@ -122,11 +122,6 @@ def image_ref(image: str) -> str:
     return image if _scheme(image) else _expand(image)
 
 
-def inside_container() -> bool:
-    """Whether this process runs inside an Apptainer/Singularity container."""
-    return bool(os.environ.get("APPTAINER_CONTAINER") or os.environ.get("SINGULARITY_CONTAINER"))
-
-
 def _absolute_bind(spec: str) -> str:
     source, *rest = spec.split(":")
     return ":".join([_expand(source), *rest])
