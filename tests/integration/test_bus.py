@@ -1,0 +1,160 @@
+"""The sample bus on a real private Ray cluster with a real TransferQueue.
+
+One Ray cluster and one bus for the module (TransferQueue allows one per
+cluster); every test writes its own step numbers, so tests do not see each
+other's rows. Expected values are built here, field by field.
+"""
+
+import os
+import shutil
+
+import pytest
+
+from relax_core.data.bus import SampleBus
+from relax_core.rollout.types import Sample
+
+SHORT = 0.5  # seconds a take waits when the test expects it to time out
+
+
+@pytest.fixture(scope="module")
+def bus(tmp_path_factory):
+    from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
+    from relax_core.launch.rundir import RunDir
+
+    saved_env = dict(os.environ)
+    run = RunDir(tmp_path_factory.mktemp("bus-run")).create()
+    temp_dir = start_local_ray(run, num_cpus=2)  # what the local driver gives a 2-core machine
+    try:
+        bus = SampleBus.start(samples_per_step=8, max_partitions=4)
+        yield bus
+        bus.close()
+        bus.close()  # idempotent
+    finally:
+        stop_local_ray()
+        os.environ.clear()
+        os.environ.update(saved_env)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def sample(n: int, group: int, reward: float = 0.0) -> Sample:
+    """A sample whose every field is derived from n, so two calls build equal samples."""
+    return Sample(prompt_ids=[100 + n, 7], response_ids=list(range(n % 4)),
+                  rollout_logprobs=[-0.1 * (k + 1) - n / 3 for k in range(n % 4)],
+                  reward=reward, group_id=group, policy_version=n // 2, label=f"answer-{n}",
+                  metadata={"n": n}, finish_reason="stop", sample_id=1000 + n)
+
+
+def test_round_trip_is_exact_for_odd_lengths_and_free_form_data(bus):
+    def build():
+        return [
+            Sample(prompt_ids=[1, 2, 3, 4, 5], response_ids=[9, 8, 7], rollout_logprobs=[-0.1234567890123, -1e-9, -17.5],
+                   reward=0.75, group_id=3, policy_version=12, loss_mask=[1, 0, 1],
+                   label={"answer": [1, 2.5, None], "nested": {"k": "v"}}, metadata={"source": "gsm8k", "idx": 4},
+                   finish_reason="stop", sample_id=70003),
+            Sample(prompt_ids=[6], response_ids=[], rollout_logprobs=[], reward=-1.0, group_id=3, policy_version=11,
+                   label=None, metadata={}, finish_reason="abort"),
+            Sample(prompt_ids=list(range(40)), response_ids=list(range(1000, 1017)),
+                   rollout_logprobs=[-(k + 1) / 7 for k in range(17)], reward=1e-300, group_id=-2, policy_version=0,
+                   label=[1, "two", 3.0, True], metadata={"tags": ["a", "b"], "score": None}, finish_reason="length"),
+            Sample(prompt_ids=[0], response_ids=[5], rollout_logprobs=[0.0], label=3.25, finish_reason="stop"),
+        ]
+
+    bus.put(0, build())
+    taken, extra = bus.take(0, 4)
+    assert taken == build()
+    assert taken[0].sample_id == 70003 and taken[0].loss_mask == [1, 0, 1] and taken[1].response_ids == [] and taken[2].label == [1, "two", 3.0, True]
+    assert extra == {}
+
+
+def test_two_puts_then_each_row_once_per_consumer(bus):
+    bus.put(1, [sample(n, group=n // 2) for n in range(4)])
+    bus.put(1, [sample(n, group=n // 2) for n in range(4, 8)])
+    taken, _ = bus.take(1, 8)
+    assert taken == [sample(n, group=n // 2) for n in range(8)]  # every row, in put order
+    with pytest.raises(TimeoutError, match="step 1"):
+        bus.take(1, 1, timeout_s=SHORT)
+    other, _ = bus.take(1, 8, consumer="evaluator")  # another consumer still sees all rows
+    assert [s.prompt_ids[0] for s in other] == [100 + n for n in range(8)]
+
+
+def test_partial_takes_follow_put_order_after_indexes_are_reused(bus):
+    bus.put(20, [sample(n, group=0) for n in range(6)])
+    bus.put(21, [sample(50, group=1), sample(51, group=1)])
+    bus.clear(20)  # TransferQueue hands these row indexes to the next rows it stores
+    bus.put(21, [sample(52, group=2), sample(53, group=2)])
+    first, _ = bus.take(21, 2)
+    second, _ = bus.take(21, 2)
+    assert [s.group_id for s in first] == [1, 1] and [s.prompt_ids[0] for s in first] == [150, 151]
+    assert [s.group_id for s in second] == [2, 2] and [s.prompt_ids[0] for s in second] == [152, 153]
+
+
+def test_add_field_values_reach_the_trainer_on_the_right_rows(bus):
+    rewards = {n: [0.5, -1.0, 2.0, 0.0, 1.5, -0.25][n] for n in range(6)}
+    calls = []
+
+    def times_ten(samples):
+        calls.append(len(samples))
+        return [s.reward * 10 for s in samples]
+
+    bus.put(2, [sample(n, group=0, reward=rewards[n]) for n in range(3)])
+    assert bus.add_field(2, "adv", "advantage", times_ten) == 3
+    bus.put(2, [sample(n, group=1, reward=rewards[n]) for n in range(3, 6)])
+    with pytest.raises(TimeoutError, match="step 2"):  # the second group has no "adv" yet
+        bus.take(2, 6, fields=("adv",), timeout_s=SHORT)
+    assert bus.add_field(2, "adv", "advantage", times_ten) == 3  # only the new rows
+    assert bus.add_field(2, "adv", "advantage", times_ten) == 0
+    assert calls == [3, 3]
+    taken, extra = bus.take(2, 6, fields=("adv",))
+    expected = {100 + n: 10 * r for n, r in rewards.items()}  # keyed by the prompt's first token
+    assert [expected[s.prompt_ids[0]] for s in taken] == extra["adv"]
+    assert extra["adv"] == [5.0, -10.0, 20.0, 0.0, 15.0, -2.5]
+
+
+def test_depth_counts_rows_not_yet_taken_by_the_trainer(bus):
+    before = bus.depth()
+    bus.put(3, [sample(n, group=n // 2) for n in range(4)])
+    assert bus.depth() == before + 4
+    bus.take(3, 3, consumer="evaluator")  # another consumer's take leaves the trainer's queue as it was
+    assert bus.depth() == before + 4
+    bus.take(3, 3)
+    assert bus.depth() == before + 1
+    bus.clear(3)
+    assert bus.depth() == before
+
+
+def test_a_cleared_partition_is_gone(bus):
+    bus.put(4, [sample(n, group=0) for n in range(3)])
+    bus.clear(4)
+    with pytest.raises(TimeoutError, match="step 4"):
+        bus.take(4, 1, timeout_s=SHORT)
+    bus.put(4, [sample(9, group=5)])  # the step can be written afresh: only the new row is there
+    taken, _ = bus.take(4, 1)
+    assert taken == [sample(9, group=5)]
+    with pytest.raises(TimeoutError):
+        bus.take(4, 1, timeout_s=SHORT)
+
+
+def test_partitions_do_not_mix(bus):
+    bus.put(5, [sample(n, group=0) for n in range(2)])
+    bus.put(6, [sample(n, group=1) for n in range(10, 13)])
+    bus.put(5, [sample(n, group=0) for n in range(2, 4)])
+    six, _ = bus.take(6, 3)
+    five, _ = bus.take(5, 4)
+    assert six == [sample(n, group=1) for n in range(10, 13)]
+    assert five == [sample(n, group=0) for n in range(4)]
+    with pytest.raises(TimeoutError, match="step 5"):
+        bus.take(5, 1, timeout_s=SHORT)
+
+
+def test_a_second_bus_in_the_same_cluster_is_refused(bus):
+    with pytest.raises(RuntimeError, match="already runs"):
+        SampleBus.start(samples_per_step=8, max_partitions=4)
+
+
+def test_every_sample_field_travels_on_the_bus():
+    """A field added to Sample later must be added to the bus too, or it would be dropped silently."""
+    import dataclasses
+
+    from relax_core.data.bus import ROLLOUT_FIELDS
+
+    assert sorted(ROLLOUT_FIELDS) == sorted(f.name for f in dataclasses.fields(Sample))
