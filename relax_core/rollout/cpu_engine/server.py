@@ -73,6 +73,10 @@ class EngineState:
     loader: WeightLoader
     weight_version: str = "default"
     groups: dict[str, Any] = field(default_factory=dict)
+    # /generate items accepted and not yet answered (waiting for a resume,
+    # queued or decoding): what `/get_load` reports, so a router can tell
+    # when an engine it stopped routing to has drained.
+    in_flight: int = 0
     # Set = not paused. (asyncio.Event binds to the running loop on first use.)
     resumed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -151,6 +155,26 @@ def _add_info_routes(app: FastAPI, state: EngineState) -> None:
     async def get_weight_version() -> Response:
         return json_response({"weight_version": state.weight_version})
 
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return json_response([_load(state)])
+
+
+def _load(state: EngineState) -> dict[str, int]:
+    """SGLang's `/get_load` entry for this engine's one data-parallel rank.
+
+    `num_reqs` counts every request the HTTP layer holds (also those waiting
+    for `/continue_generation`); read without the scheduler lock, so it is a
+    snapshot, exact whenever it reads 0.
+    """
+    running = list(state.batcher.running)
+    return {
+        "dp_rank": 0,
+        "num_reqs": state.in_flight,
+        "num_waiting_reqs": max(state.in_flight - len(running), 0),
+        "num_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in running),
+    }
+
 
 def _add_generate_routes(app: FastAPI, state: EngineState) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -159,12 +183,21 @@ def _add_generate_routes(app: FastAPI, state: EngineState) -> None:
             req = GenerateReqInput.model_validate(await request.json())
         except (ValidationError, ValueError) as exc:
             return error_response(str(exc))
-        await state.resumed.wait()
+        items = _num_items(req)
+        state.in_flight += items
         try:
+            await state.resumed.wait()
             outputs = await _run_generate(state, req)
         except ValueError as exc:
             return error_response(str(exc))
+        finally:
+            state.in_flight -= items
         return json_response(outputs if req.is_batch else outputs[0])
+
+
+def _num_items(req: GenerateReqInput) -> int:
+    prompts = req.text if req.text is not None else req.input_ids
+    return len(prompts) if req.is_batch else 1
 
 
 async def _run_generate(state: EngineState, req: GenerateReqInput) -> list[dict[str, Any]]:

@@ -1,0 +1,294 @@
+"""One `sglang-router` process in front of the rollout engines.
+
+Data flow: the rollout manager sends `/generate` to the router's URL; the
+router (the Rust `sglang-router` package, what SGLang clusters use) picks an
+engine per request and proxies it. `EngineSet` (relax_core/controller) starts
+the router once the first engines are healthy and adds or removes engines at
+runtime through the router's worker API (`POST /workers`,
+`DELETE /workers/{id}`).
+
+Security, on a shared cluster:
+- the router binds only the given host (metrics too, on their own port);
+- one key guards both hops: the router's own `--api-key` makes it answer 401
+  to any request without `Authorization: Bearer KEY` (health probes aside),
+  and the router sends the same bearer key to the engines (SGLang's and the
+  CPU engine's `--api-key`). The key reaches the router process through its
+  environment (`ROUTER_KEY_ENV`), never its command line, which other users
+  can read in `ps`; `python -m relax_core.rollout.router` is that launcher.
+
+What the router keeps together: a batched `/generate` (a list of
+`input_ids` with ONE `sampling_params` dict) goes to one engine intact; a
+batch with a list of per-item `sampling_params` is refused by sglang-router
+0.3.2 (HTTP 422). Single requests sharing a prompt prefix stay on one engine
+under the `cache_aware` policy until the load gap between engines exceeds
+both `--balance-abs-threshold` (64) and `--balance-rel-threshold` (1.5x).
+
+Drained: the router does not report a removed worker's in-flight requests,
+so `remove_engine` watches the engine itself: SGLang's `GET /get_load`
+(`num_reqs` per data-parallel rank, summed) until it reads 0 several times
+in a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+ROUTER_KEY_ENV = "RELAX_ROUTER_API_KEY"
+DRAIN_POLL_S = 0.1
+# Consecutive idle readings before an engine counts as drained: covers a
+# request the router forwarded just before removal that is still on the wire.
+DRAIN_IDLE_READINGS = 5
+
+
+# cache_aware sends a request to the engine whose cache holds the longest prefix of it only when that
+# prefix is at least this share of the prompt, else to the engine with the least cached. At 0.9 the
+# other samples of a request's own group (the same prompt) attract it, while a new prompt that only
+# shares the chat template with earlier ones goes to the emptiest engine: groups stay whole and
+# spread over the engines, an added engine included. (The router's default, 0.3, lets the shared
+# template pull every prompt onto the engine that has served longest.)
+CACHE_THRESHOLD = 0.9
+
+class RouterError(RuntimeError):
+    """The router refused a command, died, or did not get ready in time."""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Router:
+    """An sglang-router process in front of the rollout engines (started and stopped by PID).
+
+    Args:
+        host: the only address the router (and its metrics endpoint) binds.
+        port: the router's port.
+        tokenizer_path: a local tokenizer directory; without it the router
+            would fetch one from the Hugging Face hub.
+        api_key: required from the router's clients and sent to the engines.
+        log_path: the router's stdout/stderr.
+        policy: sglang-router's `--policy`.
+        metrics_port: Prometheus port on `host` (default: a free one).
+        log_level: sglang-router's `--log-level`.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tokenizer_path: str,
+        api_key: str,
+        log_path: str,
+        policy: str = "cache_aware",
+        *,
+        metrics_port: int | None = None,
+        log_level: str = "warn",
+        cache_threshold: float = CACHE_THRESHOLD,
+    ) -> None:
+        if not api_key:
+            raise ValueError("the router needs an api_key: it must not accept commands from anyone")
+        self.host, self.port, self.policy = host, port, policy
+        self.tokenizer_path, self.log_path, self.log_level = tokenizer_path, log_path, log_level
+        self.metrics_port = metrics_port
+        self.cache_threshold = cache_threshold
+        self._api_key = api_key
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    # ------------------------------------------------------------ lifecycle
+    def command(self, worker_urls: Sequence[str]) -> list[str]:
+        """The router's command line (without the key, which travels in the environment)."""
+        if self.metrics_port is None:
+            self.metrics_port = free_port(self.host)
+        return [
+            sys.executable, "-m", "relax_core.rollout.router",
+            "--host", self.host, "--port", str(self.port), "--policy", self.policy,
+            "--tokenizer-path", self.tokenizer_path, "--cache-threshold", str(self.cache_threshold),
+            "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
+            "--log-level", self.log_level,
+            "--worker-urls", *worker_urls,
+        ]  # fmt: skip
+
+    def start(self, worker_urls: list[str], timeout_s: float = 60) -> str:
+        """Start the router and wait until it routes to every URL in `worker_urls`; returns its URL."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RouterError(f"router already running (pid {self._proc.pid})")
+        env = dict(os.environ, **{ROUTER_KEY_ENV: self._api_key})
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(self.command(worker_urls), stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_for_workers(set(worker_urls), timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def stop(self) -> None:
+        """Terminate the router by its PID (idempotent)."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _wait_for_workers(self, expected: set[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(base_url=self.url, headers=self._headers, timeout=5) as http:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                try:
+                    if expected <= _healthy(http.get("/workers")):
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                time.sleep(0.2)
+        raise RouterError(f"router not routing to {sorted(expected)} after {timeout_s}s; see {self.log_path}")
+
+    def _check_alive(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            code = None if self._proc is None else self._proc.returncode
+            raise RouterError(f"router exited ({code}); see {self.log_path}:\n{_tail(self.log_path)}")
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"}
+
+    # ------------------------------------------------------------ engines
+    async def engines(self) -> list[str]:
+        """The worker URLs the router routes to now."""
+        async with self._client() as http:
+            return [w["url"] for w in await _workers(http)]
+
+    async def add_engine(self, url: str, timeout_s: float = 60) -> None:
+        """Route to `url` from now on (the engine is up and has current weights)."""
+        async with self._client() as http:
+            if any(w["url"] == url for w in await _workers(http)):
+                return
+            # The router would send its own key anyway; naming it keeps that explicit.
+            response = await http.post("/workers", json={"url": url, "api_key": self._api_key})
+            _expect(response, (200, 202), f"add {url}")
+            await self._until(
+                http,
+                lambda ws: any(w["url"] == url and _is_healthy(w) for w in ws),
+                timeout_s,
+                f"{url} to be routed to",
+            )
+
+    async def remove_engine(self, url: str, drain_timeout_s: float = 300) -> None:
+        """Stop routing new requests to `url`, then wait until its in-flight requests finished."""
+        deadline = time.monotonic() + drain_timeout_s
+        async with self._client() as http:
+            ids = [w["id"] for w in await _workers(http) if w["url"] == url]
+            if not ids:
+                raise RouterError(f"{url} is not one of the router's engines")
+            for worker_id in ids:
+                _expect(await http.delete(f"/workers/{worker_id}"), (200, 202), f"remove {url}")
+            await self._until(
+                http, lambda ws: all(w["url"] != url for w in ws), drain_timeout_s, f"{url} to leave the router"
+            )
+        await wait_drained(url, self._api_key, max(deadline - time.monotonic(), 1.0))
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=30)
+
+    async def _until(self, http: httpx.AsyncClient, done, timeout_s: float, what: str) -> None:
+        """Poll the router's worker list until `done(workers)`: worker changes are queued jobs there."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if done(await _workers(http)):
+                return
+            await asyncio.sleep(0.1)
+        raise RouterError(f"timed out after {timeout_s}s waiting for {what}; see {self.log_path}")
+
+
+async def engine_in_flight(http: httpx.AsyncClient) -> int:
+    """Requests an engine holds now: SGLang's `/get_load` summed over data-parallel ranks."""
+    response = await http.get("/get_load")
+    _expect(response, (200,), "get_load")
+    loads = response.json()
+    return sum(int(item.get("num_reqs", 0)) for item in (loads if isinstance(loads, list) else [loads]))
+
+
+async def wait_drained(url: str, api_key: str, timeout_s: float) -> None:
+    """Wait until the engine at `url` has had no request in flight for `DRAIN_IDLE_READINGS` polls."""
+    deadline, idle = time.monotonic() + timeout_s, 0
+    headers = {"Authorization": f"Bearer {api_key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=10) as http:
+        while idle < DRAIN_IDLE_READINGS:
+            if time.monotonic() > deadline:
+                raise RouterError(f"{url} still has requests in flight after {timeout_s:.0f}s")
+            idle = idle + 1 if await engine_in_flight(http) == 0 else 0
+            await asyncio.sleep(DRAIN_POLL_S)
+
+
+async def _workers(http: httpx.AsyncClient) -> list[dict[str, Any]]:
+    response = await http.get("/workers")
+    _expect(response, (200,), "list workers")
+    return response.json()["workers"]
+
+
+def _is_healthy(worker: dict[str, Any]) -> bool:
+    return bool(worker.get("is_healthy", True))
+
+
+def _healthy(response: httpx.Response) -> set[str]:
+    if response.status_code != 200:
+        return set()
+    return {w["url"] for w in response.json().get("workers", []) if _is_healthy(w)}
+
+
+def _expect(response: httpx.Response, ok: tuple[int, ...], what: str) -> None:
+    if response.status_code not in ok:
+        raise RouterError(f"{what}: {response.request.url} -> {response.status_code}: {response.text[:500]}")
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Launch sglang-router with the key from `$RELAX_ROUTER_API_KEY` (refuses to run without one)."""
+    from sglang_router.launch_router import launch_router, parse_router_args
+
+    args = parse_router_args(sys.argv[1:] if argv is None else argv)
+    args.api_key = os.environ.pop(ROUTER_KEY_ENV, "") or None
+    if args.api_key is None:
+        raise SystemExit(f"set {ROUTER_KEY_ENV}: the router must not accept commands from anyone")
+    launch_router(args)
+
+
+if __name__ == "__main__":
+    main()

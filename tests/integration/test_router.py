@@ -1,0 +1,219 @@
+"""A real sglang-router process in front of real CPU engines (tiny model).
+
+What a user relies on: requests sent to the router's URL are answered and
+spread over the engines; the n samples of one prompt stay on one engine
+(batched, or as single requests under `cache_aware`); an added engine gets
+requests; removing an engine loses none of its in-flight requests and sends
+it nothing afterwards; nobody without the key can use or command the router,
+which listens on the given address only.
+
+Which engine served a request is read from the engines themselves: each
+engine is started with its own `--weight-version` label, which it stamps on
+every response, and each engine's own `finished_requests` counter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from engine_fixtures import HOST, EngineServer, free_port, tiny_model_dir  # noqa: F401
+
+from relax_core.rollout.client import EngineClient, EngineError
+from relax_core.rollout.router import Router
+
+API_KEY = "router-test-key-7f3a"
+NAMES = ("a", "b")
+SHORT = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    """Two engines, labelled a and b; started together (model loading dominates)."""
+    logs = tmp_path_factory.mktemp("engines")
+    servers = {
+        name: EngineServer(
+            tiny_model_dir, logs / f"{name}.log", API_KEY, "--weight-version", name, "--num-threads", "1"
+        )
+        for name in NAMES
+    }
+    with ThreadPoolExecutor(len(servers)) as pool:
+        try:
+            list(pool.map(lambda s: s.start().wait_healthy(), servers.values()))
+            yield servers
+        finally:
+            list(pool.map(EngineServer.stop, servers.values()))
+
+
+@pytest.fixture
+def make_router(tiny_model_dir, tmp_path):  # noqa: F811
+    started: list[Router] = []
+
+    def make(*names: str, engines: dict[str, EngineServer]) -> Router:
+        router = Router(HOST, free_port(), str(tiny_model_dir), API_KEY, str(tmp_path / "router.log"))
+        started.append(router)
+        router.start([engines[n].base_url for n in names])
+        return router
+
+    yield make
+    for router in started:
+        router.stop()
+
+
+def finished(engines: dict[str, EngineServer]) -> dict[str, int]:
+    """Each engine's own count of finished requests."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return {
+        name: httpx.get(f"{s.base_url}/get_model_info", headers=headers).json()["engine_stats"]["finished_requests"]
+        for name, s in engines.items()
+    }
+
+
+def served(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in before}
+
+
+async def generate_many(url: str, bodies: list[dict]) -> list:
+    """Send every body concurrently to `url`; a result per body, or the exception it raised."""
+    async with EngineClient(url, api_key=API_KEY, timeout=120) as client:
+        return await asyncio.gather(*(client.generate(**b) for b in bodies), return_exceptions=True)
+
+
+def distinct_prompts(count: int, offset: int = 0) -> list[dict]:
+    # Different first tokens, so no two prompts share a prefix.
+    return [{"input_ids": [3 + (i + offset) % 40, 9, 14, 22 + i % 7], "sampling_params": SHORT} for i in range(count)]
+
+
+def labels(results: list) -> list[str]:
+    return [r["meta_info"]["weight_version"] for r in results]
+
+
+def test_requests_through_router_reach_both_engines(engines, make_router):
+    router = make_router("a", "b", engines=engines)
+    before = finished(engines)
+    results = asyncio.run(generate_many(router.url, distinct_prompts(40)))
+    counts = served(before, finished(engines))
+
+    assert all(isinstance(r, dict) and len(r["output_ids"]) == 4 for r in results), results
+    assert counts["a"] + counts["b"] == 40
+    assert counts["a"] > 0 and counts["b"] > 0, counts
+    assert collections.Counter(labels(results)) == {n: c for n, c in counts.items() if c}
+
+
+def test_sampling_seed_passes_through_router(engines, make_router):
+    router = make_router("a", "b", engines=engines)
+    body = {"input_ids": [5, 6, 7], "sampling_params": {**SHORT, "max_new_tokens": 12, "sampling_seed": 1234}}
+    direct = asyncio.run(generate_many(engines["a"].base_url, [body]))[0]
+    via_router = asyncio.run(generate_many(router.url, [body, body]))
+    assert [r["output_ids"] for r in via_router] == [direct["output_ids"]] * 2
+
+
+def test_prompt_group_stays_on_one_engine(engines, make_router):
+    router = make_router("a", "b", engines=engines)
+    prompts = [[4 + g, 8, 12, 16, 20, 24, 28, 32] for g in range(4)]
+
+    # One batched request per group (one shared sampling_params): one engine answers all n.
+    before = finished(engines)
+    batches = asyncio.run(
+        generate_many(router.url, [{"input_ids": [p] * 6, "sampling_params": SHORT} for p in prompts])
+    )
+    assert [len(set(labels(b))) for b in batches] == [1] * 4, [labels(b) for b in batches]
+    assert sum(served(before, finished(engines)).values()) == 24
+
+    # n single requests per group with their own seeds, all in flight together: cache_aware
+    # keeps each group on one engine.
+    singles = [{"input_ids": p, "sampling_params": {**SHORT, "sampling_seed": s}} for p in prompts for s in range(6)]
+    results = asyncio.run(generate_many(router.url, singles))
+    by_group = collections.defaultdict(set)
+    for body, label in zip(singles, labels(results)):
+        by_group[tuple(body["input_ids"])].add(label)
+    assert [len(v) for v in by_group.values()] == [1] * 4, dict(by_group)
+
+
+def test_added_engine_receives_requests(engines, make_router):
+    router = make_router("a", engines=engines)
+    b_url = engines["b"].base_url
+    asyncio.run(router.add_engine(b_url))
+    assert sorted(asyncio.run(router.engines())) == sorted([engines["a"].base_url, b_url])
+
+    before = finished(engines)
+    results = asyncio.run(generate_many(router.url, distinct_prompts(30, offset=7)))
+    counts = served(before, finished(engines))
+    assert all(isinstance(r, dict) for r in results), results
+    assert counts["b"] > 0 and counts["a"] + counts["b"] == 30, counts
+
+
+def test_remove_engine_drains_in_flight_requests(engines, make_router):
+    router = make_router("a", "b", engines=engines)
+    b_url = engines["b"].base_url
+    long = {"max_new_tokens": 160, "temperature": 1.0, "ignore_eos": True}
+    bodies = [{"input_ids": [3 + i, 9, 14], "sampling_params": long} for i in range(16)]
+
+    async def scenario():
+        before = finished(engines)
+        requests = asyncio.ensure_future(generate_many(router.url, bodies))
+        await _until_busy(b_url)
+        await router.remove_engine(b_url)
+        removed_at = time.monotonic()
+        b_done_at_removal = served(before, finished(engines))["b"]
+        results = await requests
+        return before, results, removed_at, b_done_at_removal
+
+    before, results, removed_at, b_done_at_removal = asyncio.run(scenario())
+
+    # Every request, including those on b when it was removed, completed in full.
+    assert all(isinstance(r, dict) and len(r["output_ids"]) == 160 for r in results), results
+    on_b = labels(results).count("b")
+    assert on_b > 0
+    # remove_engine returned only after b had finished everything it was given.
+    assert b_done_at_removal == on_b == served(before, finished(engines))["b"]
+    assert asyncio.run(router.engines()) == [engines["a"].base_url]
+
+    # After removal, nothing more goes to b.
+    before = finished(engines)
+    results = asyncio.run(generate_many(router.url, distinct_prompts(20, offset=3)))
+    assert all(isinstance(r, dict) for r in results), results
+    assert served(before, finished(engines)) == {"a": 20, "b": 0}
+
+
+async def _until_busy(url: str, timeout_s: float = 30) -> None:
+    """Wait until the engine at `url` reports a request in flight (SGLang's /get_load)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, headers=headers) as http:
+        while time.monotonic() < deadline:
+            if (await http.get("/get_load")).json()[0]["num_reqs"] > 0:
+                return
+            await asyncio.sleep(0.02)
+    raise TimeoutError(f"{url} never got a request")
+
+
+def test_router_requires_its_key_and_binds_only_its_host(engines, make_router):
+    router = make_router("a", engines=engines)
+    body = {"input_ids": [5, 6, 7], "sampling_params": SHORT}
+    for key in (None, "wrong-key"):
+        with pytest.raises(EngineError) as refused:
+            asyncio.run(_generate_with_key(router.url, key, body))
+        assert refused.value.status_code in (401, 403)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        add = httpx.post(f"{router.url}/workers", json={"url": engines["b"].base_url}, headers=headers)
+        assert add.status_code in (401, 403)
+    assert asyncio.run(router.engines()) == [engines["a"].base_url]
+    assert asyncio.run(_generate_with_key(router.url, API_KEY, body))["meta_info"]["weight_version"] == "a"
+
+    # Bound to 127.0.0.1 only: the same ports on 127.0.0.2 (also loopback here) refuse connections.
+    for port in (router.port, router.metrics_port):
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.2:{port}/health", timeout=2)
+    # The key is not on the command line, which every user of the node can read.
+    assert API_KEY not in Path(f"/proc/{router.pid}/cmdline").read_text()
+
+
+async def _generate_with_key(url: str, key: str | None, body: dict):
+    async with EngineClient(url, api_key=key, timeout=60) as client:
+        return await client.generate(**body)
