@@ -85,6 +85,9 @@ class OverlongConfig(AlgoSection):
         return self.buffer_len if self.buffer_len is not None else max_new_tokens // 4
 
 
+DEFAULT_ASYNC_TIS_CAP = 2.0  # ALGORITHMS.md, "Off-policy correction"
+
+
 class AlgorithmCommon(AlgoSection):
     """What every algorithm has: aggregation, KL, off-policy correction."""
 
@@ -94,8 +97,16 @@ class AlgorithmCommon(AlgoSection):
     """Constant length normaliser of `seq-mean-token-sum-norm`; `rollout.max_new_tokens` if unset."""
     kl: KLConfig = Field(default_factory=KLConfig)
     """KL to the reference model."""
-    tis_cap: float | None = Field(None, gt=0.0)
-    """Truncated importance sampling cap C on rollout/trainer log-prob mismatch; null disables it."""
+    tis_cap: float | None = Field(None, ge=0.0)
+    """Truncated importance sampling cap C on the rollout/trainer log-prob mismatch. Null: the mode's
+    default (C = 2 in `fully_async` and `hybrid`, where samples may be older than the weights; off in
+    `colocate`); 0 turns it off."""
+
+    def effective_tis_cap(self, mode: str) -> float | None:
+        """The cap the trainer uses in `mode` (None: no correction)."""
+        if self.tis_cap is None:
+            return DEFAULT_ASYNC_TIS_CAP if mode != "colocate" else None
+        return self.tis_cap or None
 
     @property
     def spec(self) -> AlgorithmSpec:

@@ -182,11 +182,20 @@ class RolloutConfig(Section):
     top_k: int = Field(-1, ge=-1)
     """Top-k sampling; -1 disables it."""
     max_staleness: int = Field(1, ge=0)
-    """How many policy versions rollout may run ahead of training (fully_async); 0 is on-policy."""
+    """`fully_async`/`hybrid`: how many policy versions a consumed sample may lag behind the weights
+    being trained (rollout runs that far ahead of training); 0 is on-policy."""
     max_concurrency: int = Field(64, ge=1)
     """Requests in flight per engine."""
+    router: bool | None = None
+    """Put the engines behind one router (`sglang-router`, cache-aware: a group's samples stay on one
+    engine). Null: when there is more than one engine; without it the rollout manager spreads prompt
+    groups over the engines itself."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Extra server arguments passed to each engine (e.g. SGLang's `mem_fraction_static`)."""
+
+    @property
+    def uses_router(self) -> bool:
+        return self.router if self.router is not None else self.num_engines > 1
 
 
 # --------------------------------------------------------------------- train

@@ -4,6 +4,7 @@
         samples  = rollout with the current weights (version k-1)
         metrics  = one training step on them
         weights  -> every engine, now version k
+        engines added or removed since the last step? apply (engines.py)
         log; checkpoint every `checkpoint.interval` steps and at the end
         preempted (job.stop set)? checkpoint now and return "stopped"
 """
@@ -20,11 +21,12 @@ def train_colocate(job: Job) -> str:
     total = job.recipe.train.steps
     start = job.resume()
     for step in range(start + 1, total + 1):
+        engine_stats = job.engines.apply_pending(job.loop, job.set_endpoints)  # between steps: engines idle
         samples, rollout_s = timed(job.rollout, step)
         train_metrics, train_s = timed(job.train, samples)
         sync_stats, sync_s = timed(job.sync_weights, step)
         job.log(step, step_metrics(samples, rollout_s, train_s, sync_s, job.policy_version)
-                | job.rollout_manager.last_reward_stats | train_metrics | sync_stats)
+                | job.rollout_manager.last_reward_stats | engine_stats | train_metrics | sync_stats)
         if step % job.recipe.checkpoint.interval == 0 or step == total:
             job.checkpoint(step)
         elif job.stop.is_set():
@@ -48,6 +50,7 @@ def step_metrics(samples: list[Sample], rollout_s: float, train_s: float, sync_s
         "train_s": train_s,
         "sync_s": sync_s,
         "step_s": rollout_s + train_s + sync_s,
+        "samples_per_s": len(samples) / max(rollout_s + train_s + sync_s, 1e-9),
         "policy_version": version,
         "staleness_max": max(staleness, default=0),
     }

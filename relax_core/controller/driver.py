@@ -17,7 +17,11 @@ import threading
 from relax_core.config.schema import Recipe
 from relax_core.launch.rundir import RunDir
 
-LOOPS = {"colocate": "relax_core.controller.colocate:train_colocate"}
+LOOPS = {
+    "colocate": "relax_core.controller.colocate:train_colocate",
+    "fully_async": "relax_core.controller.streaming:train_fully_async",
+    "hybrid": "relax_core.controller.streaming:train_hybrid",
+}
 
 
 def setup_logging(run: RunDir) -> None:
@@ -28,7 +32,8 @@ def setup_logging(run: RunDir) -> None:
     root.addHandler(handler)
 
 
-def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None) -> str:
+def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None,
+            cpu_sets: dict[str, list[int]] | None = None) -> str:
     """Run the training loop to the end, or until `stop` is set (then checkpoint).
 
     Returns:
@@ -38,7 +43,7 @@ def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | N
 
     module, _, name = LOOPS[recipe.mode].partition(":")
     train_loop = getattr(importlib.import_module(module), name)
-    job = Job(recipe, run, console, stop=stop)
+    job = Job(recipe, run, console, stop=stop, cpu_sets=cpu_sets)
     try:
         return train_loop(job)
     finally:
@@ -51,11 +56,24 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
     from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
     setup_logging(run)
-    cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines)
+    # + 2: TransferQueue's controller and storage unit each hold a Ray CPU (the asynchronous modes);
+    # the project's own actors take none (their cores are the node groups').
+    cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines) + 2
     slots = {TRAIN_RESOURCE: recipe.train_ranks,
              ROLLOUT_RESOURCE: recipe.rollout.num_engines * max(recipe.rollout.gpus_per_engine, 1)}
     start_local_ray(run, num_cpus=cpus, resources=slots)
     try:
-        return run_job(recipe, run, console)
+        return run_job(recipe, run, console, cpu_sets=local_cpu_sets(recipe))
     finally:
         stop_local_ray()
+
+
+def local_cpu_sets(recipe: Recipe) -> dict[str, list[int]]:
+    """On one machine, each node group gets its own cores (`cpus_per_node` each, in order) when they fit,
+    so rollout and training of the asynchronous modes do not slow each other down; else none are pinned."""
+    cluster, available = recipe.cluster, sorted(os.sched_getaffinity(0))
+    wanted = cluster.train.cpus_per_node + (cluster.rollout.cpus_per_node if cluster.rollout.nodes else 0)
+    if not cluster.rollout.nodes or wanted > len(available):
+        return {}
+    train = available[:cluster.train.cpus_per_node]
+    return {"train": train, "rollout": available[len(train):wanted]}

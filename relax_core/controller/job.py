@@ -28,7 +28,9 @@ ROUND_KEY_STRIDE = 10_000_000  # > any step count, so (step, round) keys never c
 
 
 class Job:
-    def __init__(self, recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None):
+    def __init__(self, recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None,
+                 cpu_sets: dict[str, list[int]] | None = None):
+        """`cpu_sets`: cores of the train and rollout groups when they share one machine (local executor)."""
         import ray
         from transformers import AutoTokenizer
 
@@ -37,20 +39,22 @@ class Job:
 
         self.recipe, self.run = recipe, run
         self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
+        self.cpu_sets = cpu_sets or {}
         self.loop = asyncio.new_event_loop()
         self.model_dir = setup.prepare_model_dir(recipe, run)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.prompts = build_prompt_source(recipe.data)
         self.ckpt_dir = recipe.checkpoint.dir or str(run.checkpoints)
         self.policy_version = 0
-        self.engines: list = []
         self.trainers: list = []
         self._ray = ray
-        engines_ready = self._start_engines()
+        self.engines = self._engine_set()
+        engines_ready = self.engines.launch(recipe.rollout.num_engines)
         trainers_ready = self._start_trainers()
-        self.engine_urls = ray.get(engines_ready)  # engines and trainers load their models in parallel
+        urls = ray.get(engines_ready)  # engines and trainers load their models in parallel
         ray.get(trainers_ready)
-        log.info("engines ready: %s", ", ".join(self.engine_urls))
+        log.info("engines ready: %s", ", ".join(urls))
+        self.engines.connect(urls)
         self._connect()
         self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.tensorboard else None,
                                       recipe.train.steps, console)
@@ -66,77 +70,113 @@ class Job:
         per_node = {"train": -(-self.recipe.train_ranks // cluster.train.nodes), "rollout": 0}
         engine_group = "rollout" if cluster.rollout.nodes else "train"
         per_node[engine_group] += -(-self.recipe.rollout.num_engines // getattr(cluster, engine_group).nodes)
-        cores = min(nodes.cpus_per_node, os.cpu_count() or 1)
+        cores = min(len(self.cpu_sets.get(group, ())) or nodes.cpus_per_node, os.cpu_count() or 1)
         return max(1, cores // max(per_node[group], 1))
 
-    def _start_engines(self) -> list:
+    def _engine_set(self):
+        from relax_core.controller.engines import EngineSet, EngineSpec
+
         ro = self.recipe.rollout
         self.run.write_secret(ENGINE_KEY)
-        key = self.run.secret(ENGINE_KEY)
-        slot = {ROLLOUT_RESOURCE: max(ro.gpus_per_engine, 1)}
-        actor = self._ray.remote(num_cpus=0, num_gpus=ro.gpus_per_engine, resources=slot)(EngineWorker)
-        self.engines = [
-            actor.remote(i, str(self.model_dir), str(self.run.logs / f"engine-{i}.log"), key,
-                         self._threads(rollout_group_name(self.recipe)), self.recipe.train.seed,
-                         ro.max_concurrency)
-            for i in range(ro.num_engines)
-        ]
-        return [e.wait_ready.remote() for e in self.engines]
+        group = rollout_group_name(self.recipe)
+        spec = EngineSpec(str(self.model_dir), str(self.run.logs), self.run.secret(ENGINE_KEY), self._threads(group),
+                          self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group))
+        return EngineSet(self._ray, spec, bucket_bytes=int(self.recipe.train.weight_sync_bucket_mb * 2**20),
+                         router=self._router())
+
+    def _router(self):
+        """The router in front of the engines, when the recipe asks for one (`rollout.router`)."""
+        if not self.recipe.rollout.uses_router:
+            return None
+        from relax_core.controller.workers import free_port, node_ip
+        from relax_core.rollout.router import Router
+
+        host = node_ip()
+        return Router(host, free_port(host), str(self.model_dir), self.run.secret(ENGINE_KEY),
+                      str(self.run.logs / "router.log"))
 
     def _start_trainers(self) -> list:
         world = self.recipe.train_ranks
         gpus = 1 if self.recipe.cluster.train.gpus_per_node else 0
-        actor = self._ray.remote(num_cpus=0, num_gpus=gpus, resources={TRAIN_RESOURCE: 1})(TrainerWorker)
+        # Two threads: rank 0 broadcasts a snapshot of the weights while the next step trains (async modes).
+        actor = self._ray.remote(num_cpus=0, num_gpus=gpus, resources={TRAIN_RESOURCE: 1},
+                                 max_concurrency=2)(TrainerWorker)
         self.trainers = [actor.remote(r, world) for r in range(world)]
+        self.engines.trainer0 = self.trainers[0]
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
         config = setup.trainer_config(self.recipe)
-        return [t.setup.remote(master, str(self.model_dir), config, self._threads("train")) for t in self.trainers]
+        return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"))
+                for t in self.trainers]
 
     def _connect(self) -> None:
         from relax_core.rewards.hub import RewardHub
+
+        self.reward_hub = RewardHub.from_config(self.recipe.reward)
+        self.rollout_manager = self.make_rollout_manager()
+
+    def clients_for(self, urls: list[str]) -> list:
         from relax_core.rollout.client import EngineClient
+
+        return [EngineClient(url, api_key=self.run.secret(ENGINE_KEY)) for url in urls]
+
+    def set_endpoints(self, urls: list[str]) -> None:
+        """The main thread's rollout manager sends to `urls` from now on (the engine set changed)."""
+        self.loop.run_until_complete(self.rollout_manager.set_clients(self.clients_for(urls)))
+
+    def make_rollout_manager(self):
+        """A rollout manager whose HTTP clients belong to the calling thread's event loop."""
         from relax_core.rollout.manager import RolloutManager
 
-        key = self.run.secret(ENGINE_KEY)
-        bucket = int(self.recipe.train.weight_sync_bucket_mb * 2**20)
-        self._ray.get(self.trainers[0].connect_engines.remote(self.engine_urls, key, bucket))
-        clients = [EngineClient(url, api_key=key) for url in self.engine_urls]
+        clients = self.clients_for(self.engines.endpoints())
         system = self.recipe.data.system_prompt if isinstance(self.recipe.data, FileData) else None
-        self.reward_hub = RewardHub.from_config(self.recipe.reward)
-        self.rollout_manager = RolloutManager(clients, self.tokenizer, setup.sampling_config(self.recipe),
-                                              self.reward_hub, system)
+        sampling = setup.sampling_config(self.recipe)
+        return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system)
 
     # --------------------------------------------------------------- verbs
-    def rollout(self, step: int) -> list[Sample]:
-        """The step's scored samples: one generation round, or DAPO's rounds (controller/sampling_rounds.py)."""
+    def rollout(self, step: int, manager=None, loop: asyncio.AbstractEventLoop | None = None) -> list[Sample]:
+        """The step's scored samples: one generation round, or DAPO's rounds (controller/sampling_rounds.py).
+
+        `manager`/`loop`: those of the calling thread (the asynchronous modes roll out in their own thread).
+        """
         from relax_core.controller.sampling_rounds import collect_batch
 
+        manager, loop = manager or self.rollout_manager, loop or self.loop
         ro, algo = self.recipe.rollout, self.recipe.algorithm
-        samples, stats = collect_batch(lambda r: self._generate_round(step, r), algo,
+        samples, stats = collect_batch(lambda r: self._generate_round(step, r, manager, loop), algo,
                                        max_new_tokens=ro.max_new_tokens, target_groups=ro.prompts_per_step)
         if getattr(algo, "dynamic_sampling", None) is not None:  # DAPO: log what the rounds did
-            self.rollout_manager.last_reward_stats = self.rollout_manager.last_reward_stats | stats.as_metrics()
+            manager.last_reward_stats = manager.last_reward_stats | stats.as_metrics()
         return samples
 
-    def _generate_round(self, step: int, round_index: int) -> list[Sample]:
+    def _generate_round(self, step: int, round_index: int, manager, loop) -> list[Sample]:
         # Round r > 0 of a step samples with its own seeds and group ids (the manager derives both from this key).
         key = step + round_index * ROUND_KEY_STRIDE
         rows = self.prompts.next_batch(self.recipe.rollout.prompts_per_step)
-        return self.loop.run_until_complete(self.rollout_manager.generate(rows, key))
+        return loop.run_until_complete(manager.generate(rows, key))
 
-    def train(self, samples: list[Sample]) -> dict[str, float]:
+    def train(self, samples: list[Sample], advantages: list[float] | None = None,
+              snapshot_version: int | None = None) -> dict[str, float]:
+        """One optimizer step over all ranks (`advantages`: one per sample, from the advantage stage)."""
         world = len(self.trainers)
-        shards = [samples[r * len(samples) // world:(r + 1) * len(samples) // world] for r in range(world)]
-        results = self._ray.get([t.train_step.remote(s) for t, s in zip(self.trainers, shards)])
-        return results[0]
+        cuts = [(r * len(samples) // world, (r + 1) * len(samples) // world) for r in range(world)]
+        refs = [t.train_step.remote(samples[a:b], advantages[a:b] if advantages is not None else None,
+                                    snapshot_version) for t, (a, b) in zip(self.trainers, cuts)]
+        return self._ray.get(refs)[0]
 
-    def sync_weights(self, version: int) -> dict[str, float]:
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """Broadcast to every engine: the live weights as `version`, or (None) the newest snapshot."""
         stats = self._ray.get(self.trainers[0].sync_weights.remote(version))
-        self.policy_version = version
+        self.policy_version = int(stats.get("sync_version", version or 0))
         return stats
 
-    def checkpoint(self, step: int) -> None:
-        progress = {"step": step, "data": self.prompts.state_dict(), "policy_version": self.policy_version}
+    def broadcast_snapshot(self) -> dict[str, float]:
+        """Asynchronous modes: broadcast the newest weight snapshot (its version is in `sync_version`)."""
+        return self._ray.get(self.trainers[0].sync_weights.remote(None))
+
+    def checkpoint(self, step: int, data_state: dict | None = None) -> None:
+        """Save every rank's state; `data_state`: the prompt cursor as of this step (when rollout runs ahead)."""
+        data = data_state if data_state is not None else self.prompts.state_dict()
+        progress = {"step": step, "data": data, "policy_version": step}
         keep = self.recipe.checkpoint.keep_last
         self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep) for t in self.trainers])
         self.run.update_state(checkpoint_step=step)
@@ -158,15 +198,14 @@ class Job:
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
-        for method, actors in (("close", self.trainers), ("stop", self.engines)):
-            refs = [getattr(a, method).remote() for a in actors]
-            try:
-                self._ray.get(refs, timeout=30)
-            except Exception as exc:  # shutting down: report and go on stopping the rest
-                log.warning("%s of %d actors failed: %s", method, len(actors), exc)
+        refs = [t.close.remote() for t in self.trainers]
+        try:
+            self._ray.get(refs, timeout=30)
+        except Exception as exc:  # shutting down: report and go on stopping the rest
+            log.warning("closing %d trainers failed: %s", len(refs), exc)
+        self.engines.stop()
         if hasattr(self, "rollout_manager"):
-            for client in self.rollout_manager.clients:
-                self.loop.run_until_complete(client.aclose())
+            self.rollout_manager.close(self.loop)
         if hasattr(self, "reward_hub"):
             self.reward_hub.close()
         if hasattr(self, "tracker"):

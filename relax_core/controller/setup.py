@@ -56,7 +56,7 @@ def trainer_config(recipe: Recipe):
         policy_loss=spec.policy_loss, loss_kwargs=algo.loss_kwargs(), loss_agg=algo.loss_agg,
         norm_len=algo.norm_len or recipe.rollout.max_new_tokens,
         use_kl_loss=algo.kl_loss_coef > 0, kl_coef=algo.kl_loss_coef, use_reference=algo.uses_reference,
-        kl_estimator=algo.kl.estimator, tis_cap=algo.tis_cap, seed=train.seed, dtype=recipe.model.dtype,
+        kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed, dtype=recipe.model.dtype,
         **_teacher(algo), **_critic(algo),
     )
 
@@ -84,5 +84,9 @@ def sampling_config(recipe: Recipe):
     return SamplingConfig(
         n_samples_per_prompt=ro.n_samples_per_prompt, max_new_tokens=ro.max_new_tokens,
         max_prompt_len=ro.max_prompt_len, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-        max_request_batch=ro.max_concurrency, seed=recipe.train.seed,
+        # Behind a router each request is one sample (the router takes one set of sampling parameters
+        # per request, and each sample has its own seed); its cache-aware policy keeps a prompt's
+        # samples on one engine, whose prefix cache then serves the whole group.
+        max_request_batch=1 if ro.uses_router else ro.max_concurrency,
+        seed=recipe.train.seed,
     )

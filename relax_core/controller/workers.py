@@ -39,6 +39,19 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def pin_process(cpus: list[int]) -> None:
+    """Run every thread of this process (and the threads they start later) on `cpus`.
+
+    `sched_setaffinity(0)` would pin only the calling thread; an actor's
+    methods may run on other threads of its pool.
+    """
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def collective_backend() -> str:
     import torch
 
@@ -53,18 +66,22 @@ class TrainerWorker:
         self.loop = asyncio.new_event_loop()
         self.broadcaster = None
         self.trainer = None
+        self.snapshot = None  # (version, [(name, tensor)]) taken after a step in the asynchronous modes
+        self.sent = None  # (version, tensors or None for the live weights) of the last broadcast
 
     def rendezvous_address(self) -> str:
         """Rank 0: an address:port on its node for the data-parallel group."""
         host = node_ip()
         return f"{host}:{free_port(host)}"
 
-    def setup(self, master: str, model_dir: str, config, threads: int) -> int:
+    def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None) -> int:
         import torch
         import torch.distributed as dist
 
         from relax_core.train.torch_backend import TorchTrainer
 
+        if cpus:
+            pin_process(cpus)
         torch.set_num_threads(threads)
         if self.world_size > 1:
             dist.init_process_group(collective_backend(), init_method=f"tcp://{master}", rank=self.rank,
@@ -73,8 +90,15 @@ class TrainerWorker:
         self.trainer = TorchTrainer(model_dir, config)
         return self.rank
 
-    def train_step(self, samples: list) -> dict[str, float]:
-        return self.trainer.train_step(samples)
+    def train_step(self, samples: list, advantages: list[float] | None = None,
+                   snapshot_version: int | None = None) -> dict[str, float]:
+        """One optimizer step. With `snapshot_version` (asynchronous modes, rank 0) the new weights are
+        copied aside as that version, so `sync_weights` can broadcast them while the next step trains."""
+        metrics = self.trainer.train_step(samples, advantages)
+        if snapshot_version is not None and self.rank == 0:
+            self.snapshot = (snapshot_version, [(n, t.detach().clone()) for n, t in
+                                                self.trainer.named_parameters_for_sync()])
+        return metrics
 
     def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int) -> None:
         """Rank 0: form the weight-update group with every engine."""
@@ -82,19 +106,41 @@ class TrainerWorker:
         from relax_core.weights.sync import WeightBroadcaster
 
         host = node_ip()
+        self.api_key = api_key
         clients = [EngineClient(url, api_key=api_key) for url in urls]
         self.broadcaster = WeightBroadcaster(clients, host, free_port(host), backend=collective_backend(),
                                              bucket_bytes=bucket_bytes)
         self.loop.run_until_complete(self.broadcaster.init())
 
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Rank 0: broadcast the current weights to every engine as `version`."""
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """Rank 0: broadcast weights to every engine. `version` given: the live weights as that version
+        (colocate: nothing trains meanwhile); None: the newest snapshot (asynchronous modes)."""
         if self.broadcaster is None:
             return {}
-        stats = self.loop.run_until_complete(
-            self.broadcaster.broadcast(self.trainer.named_parameters_for_sync(), version)
-        )
-        return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets)}
+        if version is None:
+            version, tensors = self.snapshot
+        else:
+            tensors = None  # live weights, read lazily bucket by bucket
+        self.sent = (version, tensors)
+        return self._broadcast(version, tensors)
+
+    def _broadcast(self, version: int, tensors: list | None) -> dict[str, float]:
+        named = tensors if tensors is not None else self.trainer.named_parameters_for_sync()
+        stats = self.loop.run_until_complete(self.broadcaster.broadcast(named, version))
+        return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
+                "sync_version": float(version)}
+
+    def set_engines(self, urls: list[str], resend: bool = True) -> None:
+        """Rank 0: re-form the weight group for a new set of engines (one added or removed between
+        steps); with `resend`, broadcast the weights last sent again, so an added engine holds the
+        version every other engine holds before it gets a request."""
+        from relax_core.rollout.client import EngineClient
+
+        clients = [EngineClient(url, api_key=self.api_key) for url in urls]
+        host = node_ip()
+        self.loop.run_until_complete(self.broadcaster.set_engines(clients, free_port(host)))
+        if resend and self.sent is not None:
+            self._broadcast(*self.sent)
 
     def save_checkpoint(self, ckpt_dir: str, iteration: int, extra: dict[str, Any], keep_last: int) -> str:
         from relax_core.checkpoint import save_checkpoint
@@ -116,6 +162,13 @@ class TrainerWorker:
             self.loop.run_until_complete(self.broadcaster.close())
 
 
+def _in_child(cpus: list[int] | None) -> None:
+    """In the engine's process before it starts: die with the actor, run on the given cores."""
+    _die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the actor that started us dies, however it dies.
 
@@ -132,7 +185,7 @@ class EngineWorker:
     """Starts one engine server process and stops it by PID."""
 
     def __init__(self, index: int, model_dir: str, log_path: str, api_key: str,
-                 threads: int, seed: int, max_running_requests: int):
+                 threads: int, seed: int, max_running_requests: int, cpus: list[int] | None = None):
         self.host = node_ip()  # bind to the cluster's interface only
         self.port = free_port(self.host)
         self.log_path = Path(log_path)
@@ -145,7 +198,7 @@ class EngineWorker:
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=lambda: _in_child(cpus))
 
     @property
     def url(self) -> str:

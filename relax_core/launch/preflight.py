@@ -17,7 +17,6 @@ from relax_core.config.schema import HFModel, Recipe, SyntheticData, TinyModel
 from relax_core.errors import RecipeError
 from relax_core.models.tiny import TEMPLATE_CHARS
 
-IMPLEMENTED_MODES = ("colocate",)
 # Algorithms the torch trainer and the colocate loop run end to end; the
 # others validate (relax list algorithms shows them) but are refused here.
 WIRED_ALGORITHMS = frozenset({
@@ -105,8 +104,6 @@ def _context_problems(recipe: Recipe) -> list[str]:
 
 def _feature_problems(recipe: Recipe) -> list[str]:
     problems = []
-    if recipe.mode not in IMPLEMENTED_MODES:
-        problems.append(f"mode: {recipe.mode} is not available in this version of Relax; use mode: colocate")
     if recipe.algorithm.name not in WIRED_ALGORITHMS:
         problems.append(
             f"algorithm.name: {recipe.algorithm.name} is not available in this version of Relax "
@@ -117,8 +114,10 @@ def _feature_problems(recipe: Recipe) -> list[str]:
 
 def _local_problems(recipe: Recipe) -> list[str]:
     problems = []
-    if recipe.cluster.train.nodes + recipe.cluster.rollout.nodes > 1:
-        problems.append("cluster.train.nodes: the local executor runs on this one machine; use 1 node (or Slurm)")
+    for group in ("train", "rollout"):
+        if getattr(recipe.cluster, group).nodes > 1:
+            problems.append(f"cluster.{group}.nodes: the local executor runs each node group on this one machine; "
+                            "use 1 node (or Slurm)")
     if recipe.rollout.engine == "sglang" and not _has_cuda():
         problems.append("rollout.engine: sglang needs a GPU; on this machine use rollout.engine=cpu rollout.gpus_per_engine=0")
     if recipe.train.backend == "megatron":

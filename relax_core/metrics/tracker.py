@@ -23,6 +23,8 @@ PROGRESS_FIELDS = (
     ("train_s", "train {:.2f}s"),
     ("sync_s", "sync {:.2f}s"),
     ("policy_version", "v{}"),
+    ("staleness_mean", "staleness {:.2f}"),  # the asynchronous modes only
+    ("queue_depth", "queue {:.0f}"),
 )
 
 

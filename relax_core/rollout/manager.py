@@ -38,6 +38,9 @@ class SamplingConfig:
     seed: int = 0
 
 
+GROUP_STRIDE = 1_000_000  # group id = step key * GROUP_STRIDE + prompt row: unique over a run
+
+
 def sample_seed(seed: int, step: int, index: int) -> int:
     """A 31-bit sampling seed unique to (run seed, step, sample index)."""
     return ((seed * 1_000_003 + step) * 100_003 + index) % (2**31 - 1)
@@ -64,7 +67,7 @@ class RolloutManager:
         by_row = dict(pair for group in groups for pair in group)
         built: list[tuple[Sample, str]] = []
         for row_index, _ in prompts:
-            built += self._samples(by_row[row_index], rows[row_index], group_id=step * 1_000_000 + row_index)
+            built += self._samples(by_row[row_index], rows[row_index], group_id=step * GROUP_STRIDE + row_index)
         await self._score(built)
         return [sample for sample, _ in built]
 
@@ -97,17 +100,33 @@ class RolloutManager:
         s = self.sampling
         params = [{"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                    "top_k": s.top_k, "sampling_seed": sample_seed(s.seed, step, index)} for _, _, index in chunk]
-        raw = await client.generate([ids for _, ids, _ in chunk], sampling_params=params, return_logprob=True)
+        if len(chunk) == 1:  # a single request: what a router accepts with per-sample parameters
+            raw = await client.generate(chunk[0][1], sampling_params=params[0], return_logprob=True)
+        else:
+            raw = await client.generate([ids for _, ids, _ in chunk], sampling_params=params, return_logprob=True)
         return [parse_generate_output(item) for item in (raw if isinstance(raw, list) else [raw])]
 
     def _samples(self, responses, row: dict[str, Any], group_id: int) -> list[tuple[Sample, str]]:
         """Unscored samples of one prompt, each with its decoded response text."""
         metadata = row.get("metadata") or {}
+        n = self.sampling.n_samples_per_prompt
         return [(Sample(
             prompt_ids=list(prompt_ids), response_ids=out.output_ids, rollout_logprobs=out.logprobs,
             group_id=group_id, policy_version=out.policy_version, label=row.get("label"),
-            metadata=metadata, finish_reason=out.finish_reason,
-        ), out.text) for prompt_ids, out in responses]
+            metadata=metadata, finish_reason=out.finish_reason, sample_id=group_id * n + k,
+        ), out.text) for k, (prompt_ids, out) in enumerate(responses)]
+
+    async def set_clients(self, clients: list[EngineClient]) -> None:
+        """Send later requests to `clients` (the engine set changed between steps); close the old ones."""
+        old, self.clients = self.clients, list(clients)
+        await asyncio.gather(*(client.aclose() for client in old))
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(client.aclose() for client in self.clients))
+
+    def close(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the HTTP clients (in the loop they were used on)."""
+        loop.run_until_complete(self.aclose())
 
     async def _score(self, built: list[tuple[Sample, str]]) -> None:
         """Set every sample's reward in one concurrent hub call (failures score 0 and are counted)."""

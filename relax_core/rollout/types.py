@@ -31,6 +31,9 @@ class Sample:
         policy_version: the weight version of the engine that generated it.
         label: the reference answer the reward compared against.
         metadata: free-form per-sample data from the data set.
+        finish_reason: "stop" (EOS or a stop token), "length" or "abort".
+        sample_id: unique within a run (derived from step, round and position), so
+            a sample can be followed from generation to the trainer.
     """
 
     prompt_ids: list[int]
@@ -43,6 +46,7 @@ class Sample:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = "length"
+    sample_id: int = -1
 
     def __post_init__(self) -> None:
         if not self.loss_mask:

@@ -67,7 +67,8 @@ def test_heterogeneous_job_has_one_component_per_node_group():
     assert f"--nodes={omni.cluster.train.nodes}" in train and f"--nodes={omni.cluster.rollout.nodes}" in rollout
     assert "--gpus-per-node=8" in train and "--gpus-per-node=8" in rollout
     assert "--signal=B:USR1@600" in train and "--requeue" in train  # job-wide options: first component
-    assert len(sbatch_components(render("quickstart"))) == 1  # no rollout group, no het job
+    assert len(sbatch_components(render("math_dapo_qwen3_4b"))) == 1  # no rollout group, no het job
+    assert len(sbatch_components(render("quickstart"))) == 2  # one train and one rollout node
 
 
 def test_container_wraps_every_step_but_not_the_supervisor():

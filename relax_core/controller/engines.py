@@ -1,0 +1,142 @@
+"""The rollout engines of a job, as one set that can grow and shrink between steps.
+
+`EngineSet` owns the engine actors (each starts one engine server), the
+router in front of them (when there is one) and the trainer's weight-update
+group that reaches them. Every change happens at a safe point, when no
+request is in flight on the driver's side (between two rollout batches):
+
+    add:     start engine -> healthy -> weight group re-formed with it ->
+             current weights broadcast to every engine -> router routes to it
+    remove:  router stops routing to it and waits until it drained ->
+             weight group re-formed without it -> engine stopped by PID
+
+so an added engine never answers a request with stale weights, and a removed
+one finishes what it was given. The rollout side reaches the engines through
+`endpoints()`: the router's URL, or each engine's URL when there is no router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from relax_core.cluster.node import ROLLOUT_RESOURCE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSpec:
+    """How to start one engine (the same for every engine of a run)."""
+
+    model_dir: str
+    log_dir: str
+    api_key: str
+    threads: int
+    seed: int
+    max_running_requests: int
+    gpus: int = 0
+    cpus: list[int] | None = None  # cores to pin the engine to (local executor), None: no pinning
+
+
+class EngineSet:
+    def __init__(self, ray, spec: EngineSpec, bucket_bytes: int, router=None, trainer0=None):
+        """`router`: a `relax_core.rollout.router.Router` (started by `connect`), or None to reach the
+        engines directly; `trainer0`: rank 0 of the trainers, which owns the weight broadcaster (set
+        before `connect`)."""
+        self._ray, self.spec, self.trainer0, self.bucket_bytes, self.router = ray, spec, trainer0, bucket_bytes, router
+        self.actors: dict[str, Any] = {}  # url -> EngineWorker actor
+        self._next_index = 0
+        self._pending: list[int] = []  # requested changes (+1 / -1), applied at the next safe point
+        self._lock = threading.Lock()
+        self._launched: list = []
+
+    # ------------------------------------------------------------ start-up
+    def launch(self, count: int) -> list:
+        """Start `count` engines; returns refs that resolve to their URLs when healthy (then `connect`)."""
+        self._launched = [self._spawn() for _ in range(count)]
+        return [actor.wait_ready.remote() for actor in self._launched]
+
+    def _spawn(self):
+        from relax_core.controller.workers import EngineWorker
+
+        s, index = self.spec, self._next_index
+        self._next_index += 1
+        actor = self._ray.remote(num_cpus=0, num_gpus=s.gpus, resources={ROLLOUT_RESOURCE: max(s.gpus, 1)})(
+            EngineWorker).remote(index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads,
+                                 s.seed, s.max_running_requests, s.cpus)
+        return actor
+
+    def connect(self, urls: list[str]) -> None:
+        """Once the first engines are healthy: form the weight group, start the router."""
+        self.actors = dict(zip(urls, self._launched))
+        self._ray.get(self.trainer0.connect_engines.remote(urls, self.spec.api_key, self.bucket_bytes))
+        if self.router is not None:
+            self.router.start(urls)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.actors)
+
+    def endpoints(self) -> list[str]:
+        """Where the rollout manager sends requests: the router, or every engine."""
+        return [self.router.url] if self.router is not None else self.urls
+
+    # ------------------------------------------------------------- changes
+    def request(self, delta: int) -> None:
+        """Ask for `delta` more (or fewer) engines; applied by `apply_pending` at the next safe point."""
+        with self._lock:
+            self._pending.append(delta)
+
+    def apply_pending(self, loop: asyncio.AbstractEventLoop,
+                      on_change: Callable[[list[str]], None] | None = None) -> dict[str, float]:
+        """Apply the requested changes (call between rollout batches); returns what changed."""
+        with self._lock:
+            deltas, self._pending = self._pending, []
+        added = removed = 0
+        for delta in deltas:
+            for _ in range(max(delta, 0)):
+                loop.run_until_complete(self.add())
+                added += 1
+            for _ in range(max(-delta, 0)):
+                if len(self.actors) <= 1:
+                    log.warning("not removing the last engine")
+                    break
+                loop.run_until_complete(self.remove(self.urls[-1]))
+                removed += 1
+        if (added or removed) and on_change is not None:
+            on_change(self.endpoints())
+        return {"engines": float(len(self.actors)), "engines_added": float(added), "engines_removed": float(removed)}
+
+    async def add(self) -> str:
+        """Start one engine, give it the weights every other engine holds, then route to it."""
+        actor = self._spawn()
+        url = await asyncio.wrap_future(actor.wait_ready.remote().future())
+        self.actors[url] = actor
+        await asyncio.wrap_future(self.trainer0.set_engines.remote(self.urls, True).future())
+        if self.router is not None:
+            await self.router.add_engine(url)
+        log.info("engine %s added", url)
+        return url
+
+    async def remove(self, url: str) -> None:
+        """Stop routing to `url`, let it drain, drop it from the weight group, stop it."""
+        if self.router is not None:
+            await self.router.remove_engine(url)
+        actor = self.actors.pop(url)
+        await asyncio.wrap_future(self.trainer0.set_engines.remote(self.urls, False).future())
+        await asyncio.wrap_future(actor.stop.remote().future())
+        log.info("engine %s removed", url)
+
+    # ------------------------------------------------------------ shutdown
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        refs = [a.stop.remote() for a in self.actors.values()]
+        try:
+            self._ray.get(refs, timeout=30)
+        except Exception as exc:  # shutting down: report and go on
+            log.warning("stopping %d engines failed: %s", len(refs), exc)

@@ -1,0 +1,92 @@
+"""Colocate against fully_async: the same workload, the same processes and cores, one run each.
+
+Runs `relax submit recipes/quickstart.yaml` twice on this machine (local
+executor), identical but for `mode`: same model, data, steps and seeds; the
+training rank runs on the train group's core and the engine on the rollout
+group's core in both modes (the local executor pins each group to its own
+cores). The model is enlarged and the answers lengthened from the quick
+start's so that a rollout and a training step take similar, measurable times.
+
+Per run the steady-state steps (the first WARMUP skipped) give:
+
+    samples/s   = sum(samples) / sum(step wall time)
+    T_rollout, T_train = mean rollout and train seconds per step (colocate run)
+    ideal_ratio = (T_rollout + T_train) / max(T_rollout, T_train)
+
+and the last line is one JSON object with both throughputs, their ratio and
+the ideal ratio. Goal: ratio >= 0.85 * ideal_ratio. Minutes, not part of the
+test suite:
+
+    HF_HUB_OFFLINE=1 python3 tests/benchmarks/bench_modes.py            # in a loopback namespace:
+    unshare --net bash -c 'ip link set lo up; HF_HUB_OFFLINE=1 python3 tests/benchmarks/bench_modes.py'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from statistics import fmean
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+STEPS, WARMUP = 30, 5
+WORKLOAD = [
+    f"train.steps={STEPS}", "model.hidden_size=128", "model.num_layers=4", "rollout.prompts_per_step=16",
+    "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=16", "data.min_len=4", "data.max_len=12",
+    "train.micro_batch_size=32", "rollout.max_staleness=1", "checkpoint.interval=1000",
+    "logging.tensorboard=false",
+]
+
+
+def run_mode(mode: str, extra: list[str], workdir: Path) -> list[dict]:
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    cmd = [sys.executable, "-m", "relax_cli.main", "submit", str(QUICKSTART), f"mode={mode}", *WORKLOAD, *extra,
+           "--executor", "local", "--run-dir", f"runs/{mode}"]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{mode} run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    metrics = workdir / "runs" / mode / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def summary(rows: list[dict]) -> dict[str, float]:
+    steady = rows[WARMUP:]
+    return {
+        "samples_per_s": sum(r["samples"] for r in steady) / sum(r["step_s"] for r in steady),
+        "rollout_s": fmean(r["rollout_s"] for r in steady),
+        "train_s": fmean(r["train_s"] for r in steady),
+        "sync_s": fmean(r["sync_s"] for r in steady),
+        "step_s": fmean(r["step_s"] for r in steady),
+        "reward_last5": fmean(r["reward_mean"] for r in rows[-5:]),
+    }
+
+
+def main(extra: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        colocate = summary(run_mode("colocate", extra, Path(tmp)))
+        fully_async_rows = run_mode("fully_async", extra, Path(tmp))
+        fully_async = summary(fully_async_rows)
+    t_rollout, t_train = colocate["rollout_s"], colocate["train_s"]
+    ideal = (t_rollout + t_train) / max(t_rollout, t_train)
+    ratio = fully_async["samples_per_s"] / colocate["samples_per_s"]
+    staleness = fmean(r["staleness_mean"] for r in fully_async_rows[WARMUP:])
+    for name, s in (("colocate", colocate), ("fully_async", fully_async)):
+        print(f"{name:12s} {s['samples_per_s']:7.1f} samples/s | step {s['step_s']:.3f}s | rollout "
+              f"{s['rollout_s']:.3f}s | train {s['train_s']:.3f}s | sync {s['sync_s']:.3f}s | "
+              f"reward(last 5) {s['reward_last5']:.3f}")
+    print(f"ratio {ratio:.3f} | ideal {ideal:.3f} | ratio/ideal {ratio / ideal:.1%} (goal >= 85%) | "
+          f"fully_async mean staleness {staleness:.2f}")
+    print(json.dumps({
+        "colocate_samples_per_s": round(colocate["samples_per_s"], 3),
+        "fully_async_samples_per_s": round(fully_async["samples_per_s"], 3),
+        "ratio": round(ratio, 4), "ideal_ratio": round(ideal, 4), "ratio_of_ideal": round(ratio / ideal, 4),
+        "t_rollout_s": round(t_rollout, 4), "t_train_s": round(t_train, 4), "steps": STEPS, "warmup": WARMUP,
+    }))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
