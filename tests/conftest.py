@@ -7,6 +7,8 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+import shutil  # noqa: E402
+
 import pytest  # noqa: E402
 
 
@@ -19,6 +21,29 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def local_ray(tmp_path_factory):
+    """One private Ray cluster for every test that needs Ray in this process.
+
+    Ray reads its auth token once per process, so a second cluster with a
+    token of its own could not be joined from here; tests share this one.
+    CPUs: 2 for TransferQueue's controller and storage unit; the project's
+    actors hold none, only the train and rollout slots.
+    """
+    from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
+    from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from relax_core.launch.rundir import new_run_dir
+
+    saved_env = dict(os.environ)
+    run = new_run_dir(tmp_path_factory.mktemp("ray"), "ray").create()
+    temp_dir = start_local_ray(run, num_cpus=4, resources={TRAIN_RESOURCE: 2, ROLLOUT_RESOURCE: 4})
+    yield run
+    stop_local_ray()
+    os.environ.clear()
+    os.environ.update(saved_env)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 from slurm_cluster import mark_slurm_tests, slurm_cluster  # noqa: E402,F401  (session fixture)

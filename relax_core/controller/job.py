@@ -15,10 +15,10 @@ import threading
 import time
 from typing import Any
 
-from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+from relax_core.cluster.node import TRAIN_RESOURCE
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
-from relax_core.controller.workers import EngineWorker, TrainerWorker
+from relax_core.controller.workers import TrainerWorker
 from relax_core.launch.rundir import RunDir
 from relax_core.rollout.types import Sample
 

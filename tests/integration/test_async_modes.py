@@ -30,17 +30,6 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "loggin
          "checkpoint.interval=100"]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
-    from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
-
-    run = new_run_dir(tmp_path_factory.mktemp("ray"), "ray").create()
-    start_local_ray(run, num_cpus=4, resources={TRAIN_RESOURCE: 2, ROLLOUT_RESOURCE: 4})
-    yield
-    stop_local_ray()
-
-
 class Watched:
     """A Job whose generated and trained samples are recorded."""
 
@@ -91,7 +80,7 @@ class Watched:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
-def test_no_consumed_sample_is_older_than_max_staleness(ray_cluster, tmp_path, mode, one_torch_thread):
+def test_no_consumed_sample_is_older_than_max_staleness(local_ray, tmp_path, mode, one_torch_thread):
     watched = Watched(tmp_path, f"mode={mode}", "rollout.max_staleness=2", "train.steps=10")
     assert watched.run_loop() == "completed"
     staleness = watched.staleness()
@@ -105,7 +94,7 @@ def test_no_consumed_sample_is_older_than_max_staleness(ray_cluster, tmp_path, m
 
 
 @pytest.mark.slow
-def test_max_staleness_zero_is_on_policy(ray_cluster, tmp_path, one_torch_thread):
+def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, one_torch_thread):
     watched = Watched(tmp_path, "mode=fully_async", "rollout.max_staleness=0", "train.steps=6")
     assert watched.run_loop() == "completed"
     for step, samples in watched.trained:
@@ -113,7 +102,7 @@ def test_max_staleness_zero_is_on_policy(ray_cluster, tmp_path, one_torch_thread
 
 
 @pytest.mark.slow
-def test_engines_added_and_removed_between_steps_lose_nothing(ray_cluster, tmp_path, one_torch_thread):
+def test_engines_added_and_removed_between_steps_lose_nothing(local_ray, tmp_path, one_torch_thread):
     watched = Watched(tmp_path, "mode=fully_async", "rollout.router=true", "rollout.max_staleness=1",
                       "train.steps=9")
     engines = watched.job.engines

@@ -5,8 +5,6 @@ cluster); every test writes its own step numbers, so tests do not see each
 other's rows. Expected values are built here, field by field.
 """
 
-import os
-import shutil
 
 import pytest
 
@@ -17,23 +15,11 @@ SHORT = 0.5  # seconds a take waits when the test expects it to time out
 
 
 @pytest.fixture(scope="module")
-def bus(tmp_path_factory):
-    from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
-    from relax_core.launch.rundir import RunDir
-
-    saved_env = dict(os.environ)
-    run = RunDir(tmp_path_factory.mktemp("bus-run")).create()
-    temp_dir = start_local_ray(run, num_cpus=2)  # what the local driver gives a 2-core machine
-    try:
-        bus = SampleBus.start(samples_per_step=8, max_partitions=4)
-        yield bus
-        bus.close()
-        bus.close()  # idempotent
-    finally:
-        stop_local_ray()
-        os.environ.clear()
-        os.environ.update(saved_env)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+def bus(local_ray):
+    bus = SampleBus.start(samples_per_step=8, max_partitions=4)
+    yield bus
+    bus.close()
+    bus.close()  # idempotent
 
 
 def sample(n: int, group: int, reward: float = 0.0) -> Sample:
