@@ -32,7 +32,8 @@ def score(
     response: Optional[str] = typer.Option(None, "--response", help="One response text to score."),
     label: Optional[str] = typer.Option(None, "--label", help="The reference answer for --response."),
     metadata: Optional[str] = typer.Option(None, "--metadata", help="JSON object: the sample's metadata."),
-    jsonl: Optional[Path] = typer.Option(None, "--jsonl", help='File of {"response", "label", "metadata"} lines.'),
+    jsonl: Optional[Path] = typer.Option(None, "--jsonl", help='File of {"response", "label", "metadata"} lines '
+                                         '(and "reward": that line\'s reward instead of NAME).'),
     plugin_dir: list[Path] = typer.Option([], "--plugin-dir", help="Extra reward plugin folder (repeatable)."),
     key: Optional[str] = typer.Option(None, "--key", help="Entry of a dict-valued reward to report as score."),
     timeout_s: float = typer.Option(10.0, "--timeout", min=0.001, help="Time limit of one call, seconds."),
@@ -77,7 +78,7 @@ def _item_from_line(line: str, path: Path, number: int):
     meta = row.get("metadata") or {}
     if not isinstance(meta, dict):
         raise UserError(f"{path}:{number}: metadata must be an object")
-    return RewardItem(str(row["response"]), row.get("label"), meta)
+    return RewardItem(str(row["response"]), row.get("label"), meta, row.get("reward"))
 
 
 def _metadata(text: str | None, option: str) -> dict:

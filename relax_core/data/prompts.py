@@ -1,10 +1,16 @@
 """Prompt sources: where each step's prompts come from, and how they become token ids.
 
-A source yields `{"prompt", "label", "metadata"}` rows with a resumable cursor
-(`state_dict` / `load_state_dict`, saved in every checkpoint). The rows come
-from a synthetic task (quick start), a local JSONL/JSON/Parquet file, or the
-same files of a hub data set (fetched once with `huggingface_hub`, then read
-by the same code). `encode_prompt` applies the model's chat template.
+A source yields `{"prompt", "label", "metadata", "reward"}` rows with a
+resumable cursor (`state_dict` / `load_state_dict`, saved in every checkpoint).
+`reward` is the row's own reward name, read from the column `data.reward_key`
+names (None without one, so the recipe's reward scores it); it sits beside the
+data set's columns, never among them, so a column that happens to be called
+`reward` routes nothing.
+
+The rows come from a synthetic task (quick start), a local JSONL/JSON/Parquet
+file, or the same files of a hub data set (fetched once with `huggingface_hub`,
+then read by the same code), all held in memory as Python dicts (about 600 MB
+for a million short rows). `encode_prompt` applies the model's chat template.
 """
 
 from __future__ import annotations
@@ -27,39 +33,57 @@ def build_prompt_source(data: SyntheticData | FileData):
 
 
 class RowSource:
-    """Rows of a data set, reshuffled every epoch from a seed, with a cursor."""
+    """Rows of a data set, reshuffled every epoch from a seed, with a cursor.
+
+    The cursor counts rows served. Row `cursor` is row `order(epoch)[index]`
+    with `epoch, index = divmod(cursor, len(rows))`, where `order(epoch)` is
+    `range(len(rows))` shuffled by `random.Random(f"{seed}:{epoch}")`; so a
+    source resumed at any cursor serves the same rows as the uninterrupted one.
+    The order of the current epoch is computed once and kept.
+    """
 
     def __init__(self, rows: list[dict[str, Any]], data: FileData):
         if not rows:
             raise UserError(f"data.path: '{data.path}' holds no rows")
         self.rows, self.data, self.cursor = rows, data, 0
+        self._epoch, self._order = -1, []
 
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.data.shuffle:
-            random.Random(f"{self.data.seed}:{epoch}").shuffle(order)
-        return order
+    def _order_of(self, epoch: int) -> list[int]:
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, list(range(len(self.rows)))
+            if self.data.shuffle:
+                random.Random(f"{self.data.seed}:{epoch}").shuffle(self._order)
+        return self._order
 
     def next_batch(self, n: int) -> list[dict[str, Any]]:
         batch = []
         for _ in range(n):
             epoch, index = divmod(self.cursor, len(self.rows))
-            batch.append(self._item(self.rows[self._order(epoch)[index]]))
+            batch.append(self._item(self.rows[self._order_of(epoch)[index]]))
             self.cursor += 1
         return batch
 
     def _item(self, row: dict[str, Any]) -> dict[str, Any]:
         d = self.data
         metadata = {k: v for k, v in row.items() if k not in (d.prompt_key, d.label_key)}
-        if d.reward_key:
-            metadata["reward"] = dotted_get(row, d.reward_key)
-        return {"prompt": dotted_get(row, d.prompt_key), "label": dotted_get(row, d.label_key), "metadata": metadata}
+        return {"prompt": dotted_get(row, d.prompt_key), "label": dotted_get(row, d.label_key),
+                "metadata": metadata, "reward": dotted_get(row, d.reward_key) if d.reward_key else None}
+
+    def reward_names(self) -> set:
+        """Every value of the `data.reward_key` column (empty without one): checked before the run starts."""
+        if not self.data.reward_key:
+            return set()
+        return {_hashable(dotted_get(row, self.data.reward_key)) for row in self.rows}
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
+
+
+def _hashable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
 def dotted_get(row: dict[str, Any], key: str) -> Any:

@@ -1,7 +1,7 @@
-"""The reward hub: scores a whole step's responses concurrently, never stopping the run.
+"""The reward hub: scores a whole step's responses concurrently; one failure costs one sample.
 
-    RolloutManager --(response, label, metadata) x N--> RewardHub.score
-        route:  metadata["reward"] (a data set's reward column) or the recipe's reward.name
+    RolloutManager --(response, label, metadata, reward) x N--> RewardHub.score
+        route:  the item's `reward` (the row's `data.reward_key` column) or the recipe's reward.name
         call:   async reward  -> awaited on the event loop, with the time limit
                 cheap reward  -> in-process (registered with in_process=True)
                 other sync    -> WorkerPool (pool.py): a worker process, killed past the limit
@@ -10,7 +10,9 @@
 
 Failures are counted per call (`reward_errors`, `reward_timeouts` in
 `last_stats`) and logged once per (reward, kind of failure), so a broken
-reward shows in the step metrics without flooding the log.
+reward shows in the step metrics without flooding the log. Too many failures
+over a window of samples end the run (failures.py: `reward.max_error_frac`,
+`reward.error_window`), naming the reward and its first error.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ import logging
 import math
 import numbers
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import fmean
-from typing import Any, Callable
+from typing import Any
 
 from relax_core.errors import UserError
 from relax_core.rewards import registry
+from relax_core.rewards.failures import FailureWindow, describe_error
 from relax_core.rewards.pool import Outcome, WorkerPool, default_workers
 
 log = logging.getLogger(__name__)
@@ -33,11 +37,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RewardItem:
-    """One response to score."""
+    """One response to score; `reward`: the reward to score it with (None: the hub's default)."""
 
     response: str
     label: Any = None
     metadata: dict = field(default_factory=dict)
+    reward: str | None = None
 
 
 @dataclass
@@ -74,11 +79,16 @@ class RewardHub:
             started on the first call that needs them.
         in_process: call every sync reward in this process (no pool, no time
             limit for sync rewards): for debugging and the benchmark baseline.
+        max_error_frac, error_window: more than `max_error_frac * error_window`
+            failures among the last `error_window` samples raise
+            `RewardFailureError` (failures.py); 1.0 (the default here, for
+            `relax reward score`) never does.
     """
 
     def __init__(self, name: str = "exact_match", *, key: str | None = None,
                  plugin_dirs: list[str] | tuple[str, ...] = (), timeout_s: float = 10.0,
-                 num_workers: int | None = None, in_process: bool = False):
+                 num_workers: int | None = None, in_process: bool = False,
+                 max_error_frac: float = 1.0, error_window: int = 256):
         self.default, self.key, self.timeout_s = name, key, timeout_s
         self.plugin_dirs = [str(d) for d in plugin_dirs]
         self.num_workers, self.in_process = num_workers or default_workers(), in_process
@@ -87,19 +97,20 @@ class RewardHub:
         self._logged: set[tuple[str, str, str]] = set()
         self.last_stats: dict[str, float] = empty_stats()
         self.total_errors = self.total_timeouts = 0
+        self.failures = FailureWindow(max_error_frac, error_window)
         names = registry.list_rewards(self.plugin_dirs)
         if name not in names:
             raise UserError(f"reward.name: no reward called '{name}' (available: {', '.join(names)})")
 
     @classmethod
-    def from_config(cls, config, num_workers: int | None = None) -> "RewardHub":
+    def from_config(cls, config, num_workers: int | None = None) -> RewardHub:
         """A hub for a recipe's `reward` section (`RewardConfig`)."""
         workers = num_workers or getattr(config, "num_workers", None)
-        return cls(config.name, key=config.key, plugin_dirs=config.plugin_dirs,
-                   timeout_s=config.timeout_s, num_workers=workers)
+        return cls(config.name, key=config.key, plugin_dirs=config.plugin_dirs, timeout_s=config.timeout_s,
+                   num_workers=workers, max_error_frac=config.max_error_frac, error_window=config.error_window)
 
     @classmethod
-    def from_function(cls, fn: Callable, name: str | None = None, **kwargs) -> "RewardHub":
+    def from_function(cls, fn: Callable, name: str | None = None, **kwargs) -> RewardHub:
         """A hub around one plain function, called in-process (the manager's legacy argument)."""
         name = name or getattr(fn, "__name__", "reward")
         hub = cls("exact_match", **kwargs)
@@ -109,12 +120,17 @@ class RewardHub:
 
     # ------------------------------------------------------------- scoring
     async def score(self, items: list[RewardItem]) -> list[RewardResult]:
-        """Score `items` concurrently; sets `last_stats` for this batch."""
+        """Score `items` concurrently; sets `last_stats` for this batch.
+
+        Raises:
+            RewardFailureError: the failure window (failures.py) holds too many failures.
+        """
         start = time.perf_counter()
         results = list(await asyncio.gather(*(self._score_one(item) for item in items)))
         self.last_stats = batch_stats(results, time.perf_counter() - start)
         self.total_errors += int(self.last_stats["reward_errors"])
         self.total_timeouts += int(self.last_stats["reward_timeouts"])
+        self.failures.add(results)
         return results
 
     def score_sync(self, items: list[RewardItem]) -> list[RewardResult]:
@@ -122,11 +138,11 @@ class RewardHub:
         return asyncio.run(self.score(items))
 
     async def _score_one(self, item: RewardItem) -> RewardResult:
-        name = (item.metadata or {}).get("reward") or self.default
+        name = self.default if item.reward is None else str(item.reward)
         try:
             spec = self._spec(name)
-        except KeyError as exc:
-            return self._failed(name, Outcome("error", error=f"KeyError: {exc.args[0]}"))
+        except KeyError as exc:  # a row routed to a reward that does not exist
+            return self._failed(name, Outcome("error", error=str(exc.args[0])))
         outcome = await self._call(spec, item)
         if outcome.status != "ok":
             return self._failed(name, outcome)
@@ -151,8 +167,8 @@ class RewardHub:
             return await self._get_pool().call(spec.name, spec.fn.__module__, args, self.timeout_s)
         except TimeoutError:
             return Outcome("timeout", error=f"no result within {self.timeout_s:g} s")
-        except Exception as exc:  # a reward bug must cost one sample, not the run
-            return Outcome("error", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a reward bug costs one sample (until the failure window is full)
+            return Outcome("error", error=describe_error(exc))
 
     def _get_pool(self) -> WorkerPool:
         if self._pool is None:
@@ -179,7 +195,7 @@ class RewardHub:
             self._pool.close()
             self._pool = None
 
-    def __enter__(self) -> "RewardHub":
+    def __enter__(self) -> RewardHub:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -204,6 +220,19 @@ def _finite(value: Any, what: str) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{what} is {number}")
     return number
+
+
+def check_routes(names: set, column: str, plugin_dirs: list[str] | tuple[str, ...] = ()) -> None:
+    """Refuse a data set whose reward column (`data.reward_key`) names a reward that does not exist.
+
+    An empty (null) value routes its row to the recipe's `reward.name`.
+    """
+    known = set(registry.list_rewards(plugin_dirs))
+    unknown = sorted(repr(name) for name in names if name is not None and name not in known)
+    if unknown:
+        shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
+        raise UserError(f"data.reward_key: column '{column}' names rewards that do not exist: {shown} "
+                        f"(available: {', '.join(sorted(known))}; add a plug-in with reward.plugin_dirs)")
 
 
 def empty_stats() -> dict[str, float]:

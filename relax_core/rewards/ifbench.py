@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from relax_core.rewards.answers import strip_think
 from relax_core.rewards.registry import reward

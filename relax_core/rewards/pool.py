@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relax_core.rewards.failures import describe_error
+
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 120.0  # importing sympy and the plugins in a new worker on a busy node
@@ -52,7 +54,7 @@ def _call(registry, name: str, module: str, args: tuple) -> tuple[str, Any]:
             importlib.import_module(module)  # a reward registered in an ordinary importable module
         return "ok", registry.get_reward(name)(*args)
     except Exception as exc:
-        return "error", f"{type(exc).__name__}: {exc}"
+        return "error", describe_error(exc)
 
 
 class _Worker:

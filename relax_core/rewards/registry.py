@@ -21,9 +21,10 @@ import importlib.util
 import inspect
 import sys
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from relax_core.errors import UserError
 

@@ -54,7 +54,7 @@ def with_hanging(items: list[RewardItem], count: int) -> list[RewardItem]:
     """`items` with `count` hanging samples spread evenly through them (as in a real data set)."""
     out = list(items)
     for k in range(count):
-        out.insert((k + 1) * len(out) // (count + 1), RewardItem("x", None, {"reward": "bench_hang"}))
+        out.insert((k + 1) * len(out) // (count + 1), RewardItem("x", None, {}, reward="bench_hang"))
     return out
 
 

@@ -17,10 +17,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from engine_fixtures import EngineServer, tiny_model_dir  # noqa: F401
 
 from relax_core.config.loader import load_recipe
+from relax_core.config.schema import FileData
+from relax_core.data.prompts import build_prompt_source
+from relax_core.rewards.failures import RewardFailureError
 from relax_core.rewards.hub import RewardHub, RewardItem
 from relax_core.rewards.registry import RewardPluginError, list_rewards
+from relax_core.rollout.client import EngineClient
 from relax_core.rollout.manager import RolloutManager, SamplingConfig
 from relax_core.rollout.types import Sample
 
@@ -94,15 +99,16 @@ def test_the_rest_of_a_step_is_not_held_up_by_a_hanging_sample(plugin_dir):
 
 def test_errors_and_timeouts_are_counted_and_logged_once_per_kind(plugin_dir, caplog):
     items = ([RewardItem("r", None, {"boom": True}) for _ in range(3)]
-             + [RewardItem("r", None, {"reward": "async_judge", "hang": True}) for _ in range(2)]
-             + [RewardItem("r", None, {"reward": "no_such_reward"})]
-             + [RewardItem("r", None, {}), RewardItem("r", None, {"reward": "async_judge"})])
+             + [RewardItem("r", None, {"hang": True}, reward="async_judge") for _ in range(2)]
+             + [RewardItem("r", None, {}, reward="no_such_reward")]
+             + [RewardItem("r", None, {}), RewardItem("r", None, {}, reward="async_judge")])
     with caplog.at_level(logging.WARNING, logger="relax_core.rewards.hub"):
         with RewardHub("sometimes_hangs", plugin_dirs=[str(plugin_dir)], timeout_s=1.0, num_workers=2) as hub:
             results = hub.score_sync(items)
             stats = hub.last_stats
     assert [r.score for r in results] == [0.0] * 6 + [1.0, 0.5]
-    assert "ZeroDivisionError: bad label" in results[0].error
+    assert "ZeroDivisionError: bad label (at slow.py:11 in sometimes_hangs)" == results[0].error
+    assert "unknown reward 'no_such_reward'" in results[5].error
     assert stats["reward_errors"] == 4 and stats["reward_timeouts"] == 2
     assert stats["reward_verdict_mean"] == 1.0       # a named sub-score of the dict-valued reward
     warnings = [r.getMessage() for r in caplog.records]
@@ -113,14 +119,15 @@ def test_errors_and_timeouts_are_counted_and_logged_once_per_kind(plugin_dir, ca
 def test_per_sample_routing_through_the_rollout_manager():
     hub = RewardHub("copy", timeout_s=10.0, num_workers=1)
     manager = RolloutManager([], None, SamplingConfig(1, 4, 16), hub)
-    rows = [("abcd", "abcd", {}), ("\\boxed{1/2}", "0.5", {"reward": "math"}),
-            ("The answer is (B)", "B", {"reward": "multiple_choice"}), ("abxx", "abcd", {})]
-    built = [(Sample([1], [2], [0.0], label=label, metadata=meta), text) for text, label, meta in rows]
+    rows = [("abcd", "abcd", None), ("\\boxed{1/2}", "0.5", "math"),
+            ("The answer is (B)", "B", "multiple_choice"), ("abxx", "abcd", None)]
+    built = [(Sample([1], [2], [0.0], label=label, metadata={"reward": 0.0}), text, route)
+             for text, label, route in rows]
     try:
         asyncio.run(manager._score(built))
     finally:
         hub.close()
-    assert [s.reward for s, _ in built] == [1.0, 1.0, 1.0, 0.5]
+    assert [s.reward for s, _, _ in built] == [1.0, 1.0, 1.0, 0.5]
     assert manager.last_reward_stats["reward_errors"] == 0
 
 
@@ -128,6 +135,88 @@ def test_cheap_rewards_start_no_worker_processes():
     with RewardHub("copy") as hub:
         hub.score_sync([RewardItem("ab", "ab")] * 100)
         assert hub._pool is None
+
+
+# ----------------------------------------------------------- failure window
+def _hub_for(tmp_path: Path, plugin_dir: Path, **reward) -> RewardHub:
+    """A hub built from a recipe, as a run builds it (`reward.max_error_frac`, `reward.error_window`)."""
+    raw = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
+    raw["reward"] = {"name": "sometimes_hangs", "plugin_dirs": [str(plugin_dir)], **reward}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
+    return RewardHub.from_config(load_recipe(tmp_path / "recipe.yaml").reward, num_workers=2)
+
+
+def test_a_reward_that_keeps_raising_stops_the_run_naming_it_and_its_first_error(tmp_path, plugin_dir):
+    boom = [RewardItem("r", None, {"boom": True})]
+    with _hub_for(tmp_path, plugin_dir, max_error_frac=0.25, error_window=16) as hub:
+        hub.score_sync([RewardItem("r")] * 6 + boom * 2)      # 2 failures of at most 4: the run goes on
+        hub.score_sync([RewardItem("r")] * 6 + boom * 2)      # 4 in the last 16: still at the limit
+        with pytest.raises(RewardFailureError) as caught:
+            hub.score_sync(boom)                              # 5 of the last 16 (the oldest, scored, left)
+    message = str(caught.value)
+    assert message.startswith("reward 'sometimes_hangs': 5 of the last 16 samples failed")
+    assert "first error: ZeroDivisionError: bad label (at slow.py:11 in sometimes_hangs)" in message
+
+
+def test_below_the_threshold_failures_score_0_and_the_run_goes_on(tmp_path, plugin_dir):
+    with _hub_for(tmp_path, plugin_dir) as hub:                # the defaults: 0.5 of 256
+        for _ in range(4):
+            results = hub.score_sync([RewardItem("r", None, {"boom": True})] * 30 + [RewardItem("r")] * 34)
+        assert [r.score for r in results] == [0.0] * 30 + [1.0] * 34
+    assert hub.total_errors == 120                             # 120 of 256 <= 128
+
+
+# ------------------------------------------------------------------- routing
+ROUTING_PLUGIN = '''
+from relax_core.rewards.registry import reward
+
+@reward("always_one", in_process=True)
+def always_one(response, label, metadata):
+    return 1.0
+
+@reward("always_half", in_process=True)
+def always_half(response, label, metadata):
+    return 0.5
+'''
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    with EngineServer(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log", "routing-key") as server:
+        yield server.base_url
+
+
+def _scored_rows(tiny_model_dir, engine_url, tmp_path, lines, **data) -> list[tuple[float, dict]]:  # noqa: F811
+    """(reward, metadata) of each sample of one real rollout over a JSONL data set with these lines."""
+    from transformers import AutoTokenizer
+
+    (tmp_path / "rewards").mkdir(exist_ok=True)
+    (tmp_path / "rewards" / "routing.py").write_text(ROUTING_PLUGIN)
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    rows = build_prompt_source(FileData(path=str(tmp_path / "data.jsonl"), shuffle=False, **data))
+    hub = RewardHub("always_one", plugin_dirs=[str(tmp_path / "rewards")], max_error_frac=0.5, error_window=8)
+    client = EngineClient(engine_url, api_key="routing-key", timeout=120)
+    manager = RolloutManager([client], AutoTokenizer.from_pretrained(tiny_model_dir), SamplingConfig(2, 3, 64), hub)
+    try:
+        samples = asyncio.run(manager.generate(rows.next_batch(len(lines)), step=1))
+    finally:
+        hub.close()
+    assert manager.last_reward_stats["reward_errors"] == 0
+    return [(sample.reward, sample.metadata) for sample in samples]
+
+
+def test_a_data_column_called_reward_does_not_route(tiny_model_dir, engine_url, tmp_path):  # noqa: F811
+    lines = [{"prompt": "ab", "label": "ab", "reward": value} for value in (0.0, 1, 0.75, "math")]
+    scored = _scored_rows(tiny_model_dir, engine_url, tmp_path, lines)
+    assert [reward for reward, _ in scored] == [1.0] * 8          # all by the recipe's reward, 2 per prompt
+    assert [meta["reward"] for _, meta in scored] == [0.0, 0.0, 1, 1, 0.75, 0.75, "math", "math"]
+
+
+def test_the_reward_key_column_routes_rows_to_their_rewards(tiny_model_dir, engine_url, tmp_path):  # noqa: F811
+    tasks = ("always_half", None, "always_half")
+    lines = [{"prompt": "ab", "label": "ab", "reward": 9, "task": task} for task in tasks]
+    scored = _scored_rows(tiny_model_dir, engine_url, tmp_path, lines, reward_key="task")
+    assert [reward for reward, _ in scored] == [0.5, 0.5, 1.0, 1.0, 0.5, 0.5]
 
 
 # ------------------------------------------------------------------- plugins
@@ -194,7 +283,7 @@ def test_cli_scores_a_jsonl_file_with_a_plugin_and_reports_failures(tmp_path, pl
     lines = [{"response": "a", "label": None, "metadata": {}},
              {"response": "b", "label": None, "metadata": {"boom": True}},
              {"response": "c", "label": None, "metadata": {"hang": True}},
-             {"response": "The answer is (A)", "label": "A", "metadata": {"reward": "multiple_choice"}}]
+             {"response": "The answer is (A)", "label": "A", "metadata": {}, "reward": "multiple_choice"}]
     path = tmp_path / "outputs.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     done = relax("reward", "score", "sometimes_hangs", "--jsonl", str(path), "--plugin-dir", str(plugin_dir),

@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from relax_core.rewards.choice import extract_choice
 from relax_core.rewards.hub import select_score
 from relax_core.rewards.registry import get_reward, get_spec, list_rewards
 
@@ -83,6 +84,95 @@ def test_multiple_choice(response, label, expected):
     assert get_reward("multiple_choice")(response, label, {}) == expected
 
 
+# (response, the letter it commits to): the same answers phrased as real models phrase them,
+# and text whose letters are not answers. Expected letters are written by hand.
+MC_EXTRACTION = [
+    # the misses from the issue: first-person sentences, letter followed by ")"
+    ("I think the answer is B) because the force doubles.", "B"),
+    ("I'd go with C).", "C"),
+    ("My choice: (D)", "D"),
+    ("I choose B)", "B"),
+    ("I believe it's B) since the others contradict the data.", "B"),
+    ("I pick B) here.", "B"),
+    ("I'll go with A) for this one.", "A"),
+    ("I would select D) given the constraints.", "D"),
+    ("I'm going with C) 12 m/s.", "C"),
+    ("Let's go with B).", "B"),
+    ("I'd say E).", "E"),
+    # answer statements
+    ("The answer is B", "B"),
+    ("The answer is B.", "B"),
+    ("Answer: B", "B"),
+    ("ANSWER: C", "C"),
+    ("Final answer: B.", "B"),
+    ("**Final Answer:** D", "D"),
+    ("The final answer is (A).", "A"),
+    ("My final answer is (C)", "C"),
+    ("Answer - D", "D"),
+    ("The correct answer is option B.", "B"),
+    ("the correct choice is b", "B"),
+    ("The correct option is D", "D"),
+    ("answer: c", "C"),
+    ("The answer is definitely B.", "B"),
+    ("So the correct answer must be C.", "C"),
+    ("Correct answer: (A) 3.2 eV", "A"),
+    ("The answer is \\(B\\).", "B"),
+    ("Answer: $C$", "C"),
+    # formats without words
+    ("**B**", "B"),
+    ("\\boxed{B}", "B"),
+    ("The final answer is $\\boxed{\\text{C}}$", "C"),
+    ("\\boxed{(D)}", "D"),
+    ("B) 42", "B"),
+    ("(B)", "B"),
+    ("B", "B"),
+    ("b", "B"),
+    ("[C]", "C"),
+    ("D.", "D"),
+    ("(C) 12 m/s", "C"),
+    # the letter with its verdict, and reasoning
+    ("B is correct", "B"),
+    ("Option B is correct.", "B"),
+    ("B is the correct answer because the rate doubles.", "B"),
+    ("option B", "B"),
+    ("It's B.", "B"),
+    ("Between A and B, I pick B", "B"),
+    ("First, A is too large.\nSecond, C ignores friction.\nSo: B)", "B"),
+    ("The rate constant doubles.\nTherefore, D", "D"),
+    ("Let me think. The mass cancels out.\nThus the answer is A.", "A"),
+    ("A) is wrong, B) is right", "B"),
+    ("A) 3\nB) 4\nC) 5\nD) 6\nThe answer is C", "C"),
+    ("Because the force doubles, the answer is D.", "D"),
+    ("a good answer is C", "C"),
+    ("<think>Maybe A? No, the units rule it out.</think>The answer is (B).", "B"),
+    ("The answer is (A).\nWait, recomputing... the answer is (D).", "D"),
+    ("I believe the answer is: (B) because A is wrong", "B"),
+    # no answer, hedges, and letters that are not answers
+    ("I am not sure", None),
+    ("Because it is hard to say.", None),
+    ("I think it is a hard question.", None),
+    ("The answer is A or B", None),
+    ("It is either B or C.", None),
+    ("", None),
+    ("<think>I think A, but let me check the constants", None),
+    ("Option A is tempting, but I am not sure.", None),
+    ("Answer: a lot depends on the temperature.", None),
+    ("I cannot decide between A and D.", None),
+    ("The answer is B, a classic result.", "B"),
+    ("Let's say a = 5. Then x = 10.", None),
+    ("\\boxed{A or B}", None),
+    ("The options are A, B, C and D.", None),
+    ("Is it B? I'm not sure.", None),
+]
+
+
+@pytest.mark.parametrize("response,letter", MC_EXTRACTION)
+def test_multiple_choice_extraction(response, letter):
+    assert extract_choice(response) == letter
+    if letter is not None:  # and the reward scores it against the label, in either case
+        assert get_reward("multiple_choice")(response, letter.lower(), {}) == 1.0
+
+
 F1_CASES = [
     ("Barack Obama", "Barack Obama", 1.0),
     ("The Eiffel Tower.", "eiffel tower", 1.0),                               # case, article, punctuation
@@ -149,7 +239,8 @@ IF_CASES = [
     ([{"type": "end_phrase", "phrase": "Is there anything else I can help with?"}],
      "Done. Is there anything else I can help with?  ", 1.0),
     ([{"type": "keyword_frequency", "keyword": "data", "num": 2, "relation": "at least"}], "data, more data", 1.0),
-    ([{"type": "no_commas"}, {"type": "lowercase"}, {"type": "word_count", "num": 100}], "hello, world", 1 / 3),  # only lowercase holds
+    # only lowercase holds
+    ([{"type": "no_commas"}, {"type": "lowercase"}, {"type": "word_count", "num": 100}], "hello, world", 1 / 3),
     ([{"type": "no_commas"}, {"type": "lowercase"}, {"type": "word_count", "num": 100}], "hello world", 2 / 3),
     ([{"type": "lowercase"}], "", 0.0),                                                    # empty
 ]
