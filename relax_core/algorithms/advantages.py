@@ -1,9 +1,9 @@
-"""Outcome-reward advantage estimators (GRPO family).
+"""Outcome-reward advantages of the GRPO family, one per sample.
 
-Called by the trainer once per step on the rewards of the whole batch (all
-data-parallel ranks), before the loss. Each estimator maps per-sample rewards
-and group ids to one advantage per sample; the trainer broadcasts it to every
-response token. Formulas: /work/shared/ALGORITHMS.md, "Advantage estimators".
+The per-sample formulas behind the registered estimators grpo, dr_grpo, rloo
+and reinforce_pp_baseline (estimators.py broadcasts them to the response
+tokens). Each maps per-sample rewards and group ids to one advantage per
+sample. Formulas: /work/shared/ALGORITHMS.md, "Advantage estimators".
 
 Convention for a group of size 1 (shared by all three, as in verl): the group
 mean is taken as 0 and the std as 1, so the sample's advantage is its reward
@@ -12,7 +12,7 @@ mean is taken as 0 and the std as 1, so the sample's advantage is its reward
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

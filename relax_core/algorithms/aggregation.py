@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import torch
 
+from relax_core.algorithms.registry import register_loss_agg
+
 
 def masked(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The loss where `mask` is set, exactly 0 (and gradient 0) elsewhere."""
     return torch.where(mask.bool(), loss, torch.zeros_like(loss))
 
 
+@register_loss_agg("token-mean")
 def token_mean(
     loss: torch.Tensor,
     mask: torch.Tensor,
@@ -35,6 +38,7 @@ def token_mean(
     return masked(loss, mask).sum() / max(total, 1.0)
 
 
+@register_loss_agg("seq-mean-token-sum")
 def seq_mean_token_sum(
     loss: torch.Tensor,
     mask: torch.Tensor,
@@ -47,6 +51,7 @@ def seq_mean_token_sum(
     return masked(loss, mask).sum() / max(seqs, 1.0)
 
 
+@register_loss_agg("seq-mean-token-mean")
 def seq_mean_token_mean(
     loss: torch.Tensor,
     mask: torch.Tensor,
@@ -60,6 +65,7 @@ def seq_mean_token_mean(
     return per_seq.sum() / max(seqs, 1.0)
 
 
+@register_loss_agg("seq-mean-token-sum-norm")
 def seq_mean_token_sum_norm(
     loss: torch.Tensor,
     mask: torch.Tensor,

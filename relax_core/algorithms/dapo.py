@@ -7,7 +7,7 @@ import no torch. Formulas: /work/shared/ALGORITHMS.md, the DAPO paragraph.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 
 def dynamic_sampling_keep(rewards: Sequence[float], group_ids: Sequence[Hashable]) -> list[bool]:

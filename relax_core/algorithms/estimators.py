@@ -23,12 +23,13 @@ turns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from relax_core.algorithms import advantages as outcome
+from relax_core.algorithms.registry import register_estimator
 
 WHITEN_EPS = 1e-8
 
@@ -96,16 +97,19 @@ def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), per_sample.unsqueeze(-1), torch.zeros((), dtype=per_sample.dtype))
 
 
+@register_estimator("grpo")
 def grpo(batch: AdvantageBatch) -> AdvantageResult:
     """advantages.grpo (group-normalised `R_i`) broadcast to the sample's tokens."""
     return AdvantageResult(_broadcast(outcome.grpo(batch.rewards, batch.group_ids), batch.mask))
 
 
+@register_estimator("dr_grpo")
 def dr_grpo(batch: AdvantageBatch) -> AdvantageResult:
     """advantages.dr_grpo (`R_i - mean_g R`) broadcast to the sample's tokens."""
     return AdvantageResult(_broadcast(outcome.dr_grpo(batch.rewards, batch.group_ids), batch.mask))
 
 
+@register_estimator("rloo")
 def rloo(batch: AdvantageBatch) -> AdvantageResult:
     """advantages.rloo (leave-one-out baseline) broadcast to the sample's tokens."""
     return AdvantageResult(_broadcast(outcome.rloo(batch.rewards, batch.group_ids), batch.mask))
@@ -130,6 +134,7 @@ def discounted_returns(r: torch.Tensor, mask: torch.Tensor, gamma: float) -> tor
     return torch.where(m, out, torch.zeros_like(out))
 
 
+@register_estimator("reinforce_pp")
 def reinforce_pp(batch: AdvantageBatch, *, gamma: float = 1.0, kl_coef: float = 0.0) -> AdvantageResult:
     """REINFORCE++: token rewards `-kl_coef*kl_t` (+ `R_i` on the last token), discounted return, whitened.
 
@@ -140,12 +145,14 @@ def reinforce_pp(batch: AdvantageBatch, *, gamma: float = 1.0, kl_coef: float = 
     return AdvantageResult(whiten(returns, batch.mask))
 
 
+@register_estimator("reinforce_pp_baseline")
 def reinforce_pp_baseline(batch: AdvantageBatch) -> AdvantageResult:
     """`A_i = R_i - mean_g R` broadcast to tokens, then whitened over all tokens of the batch."""
     centred = outcome.dr_grpo(batch.rewards, batch.group_ids)
     return AdvantageResult(whiten(_broadcast(centred, batch.mask), batch.mask))
 
 
+@register_estimator("gae")
 def gae(
     batch: AdvantageBatch, *, gamma: float = 1.0, lam: float = 0.95, kl_coef: float = 0.0
 ) -> AdvantageResult:
@@ -171,6 +178,7 @@ def gae(
     return AdvantageResult(whiten(adv, batch.mask), returns)
 
 
+@register_estimator("opd")
 def opd(batch: AdvantageBatch) -> AdvantageResult:
     """On-policy distillation: `A_t = -(logp_t - logp_teacher_t)`, the per-token reverse KL to the teacher.
 

@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import torch
 
+from relax_core.algorithms.registry import register_kl
+
 K3_CLAMP = 10.0
 
 
+@register_kl("k1")
 def k1(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """`logp - logp_ref` (unbiased, high variance, can be negative)."""
     return logp - logp_ref
 
 
+@register_kl("k2")
 def k2(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """`0.5 (logp - logp_ref)^2` (biased, low variance, non-negative)."""
     return 0.5 * (logp - logp_ref) ** 2
 
 
+@register_kl("k3", aliases=("low_var_kl",))
 def k3(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """low_var_kl: `exp(logp_ref - logp) - (logp_ref - logp) - 1`, clamped to [-10, 10].
 

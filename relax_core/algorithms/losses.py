@@ -1,9 +1,9 @@
-"""Per-token policy losses and the off-policy (rollout/trainer) correction.
+"""The PPO clipped surrogate on unmasked tensors, its output type, and the off-policy correction.
 
-The trainer calls a policy loss once per micro-batch with token-aligned
-tensors (`[batch, tokens]`) and then hands the per-token loss to an
-aggregator (aggregation.py), which applies the loss mask. Formulas:
-/work/shared/ALGORITHMS.md, "Policy losses" and "Off-policy correction".
+Building blocks: the registered (masked) losses in policy_losses.py wrap
+`ppo_clip` here after zeroing masked inputs, and the trainer multiplies
+`tis_weight` into the per-token loss. Formulas: /work/shared/ALGORITHMS.md,
+"Policy losses" and "Off-policy correction".
 """
 
 from __future__ import annotations

@@ -1,17 +1,22 @@
 """Per-token policy losses of the algorithm suite, behind one masked interface, and PPO's value loss.
 
-The trainer calls the loss named by the algorithm's spec (registry kind
-"loss") once per micro-batch, then hands `out.loss` to the spec's aggregator
-(aggregation.py). Every function here has the signature
+The trainer calls the loss named by the algorithm's spec once per
+micro-batch, then hands `out.loss` to the aggregator (aggregation.py). Every
+loss here registers itself under its name (`@register_loss`) and has the
+signature
 
     fn(logp, logp_old, advantages, *, mask, logp_rollout=None, **params) -> PolicyLossOutput
 
 with `[B, T]` tensors (`advantages` per token, from estimators.py, or `[B, 1]`).
 Inputs are replaced by 0 where `mask` is 0 *before* any arithmetic, so a
 garbage (inf/NaN) log-prob on padding can never reach the value or the
-gradient: masked tokens get exactly zero gradient. `mask` is also what the
-sequence-level pieces (gspo's sequence ratio, m2po's token selection) reduce
-over. Formulas: /work/shared/ALGORITHMS.md, "Policy losses" and "Critic".
+gradient: masked tokens get exactly zero gradient. `mask` is also what
+gspo's sequence ratio reduces over.
+
+M2PO is the ppo_clip loss on the tokens a step-wide token selection keeps
+(`m2_keep_mask`, registered with `@register_token_selection("m2")`): the
+trainer runs the selection once over the whole step and aggregates with
+`mask * keep`. Formulas: /work/shared/ALGORITHMS.md, "Policy losses" and "Critic".
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from relax_core.algorithms import losses
 from relax_core.algorithms.losses import PolicyLossOutput, importance_ratio
+from relax_core.algorithms.registry import register_loss, register_token_selection
 
 LOG_RATIO_CLAMP = losses.LOG_RATIO_CLAMP
 
@@ -31,6 +37,7 @@ def _zero_masked(mask: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tenso
     return [torch.where(m, t, torch.zeros((), dtype=t.dtype)) for t in tensors]
 
 
+@register_loss("ppo_clip")
 def ppo_clip(
     logp, logp_old, advantages, *, mask, logp_rollout=None, eps_low=0.2, eps_high=0.2, dual_clip_c=3.0
 ) -> PolicyLossOutput:
@@ -47,6 +54,7 @@ def sequence_log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.T
     return mean.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+@register_loss("gspo")
 def gspo(
     logp, logp_old, advantages, *, mask, logp_rollout=None, eps_low=3e-4, eps_high=4e-4, dual_clip_c=None
 ) -> PolicyLossOutput:
@@ -66,6 +74,7 @@ def gspo(
     )
 
 
+@register_loss("cispo")
 def cispo(
     logp, logp_old, advantages, *, mask, logp_rollout=None, eps_low=1.0, eps_high=0.28
 ) -> PolicyLossOutput:
@@ -84,6 +93,7 @@ def cispo(
     return PolicyLossOutput(-weight * adv * logp, clipped, ratio)
 
 
+@register_loss("sapo")
 def sapo(
     logp, logp_old, advantages, *, mask, logp_rollout=None, tau_pos=1.0, tau_neg=1.05
 ) -> PolicyLossOutput:
@@ -100,6 +110,7 @@ def sapo(
     return PolicyLossOutput(-gate * adv, torch.zeros_like(logp), ratio.detach())
 
 
+@register_token_selection("m2")
 def m2_keep_mask(
     logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, m2_threshold: float = 0.04
 ) -> torch.Tensor:
@@ -122,32 +133,6 @@ def m2_keep_mask(
     return keep
 
 
-def m2po(
-    logp,
-    logp_old,
-    advantages,
-    *,
-    mask,
-    logp_rollout,
-    m2_threshold=0.04,
-    keep_mask=None,
-    eps_low=0.2,
-    eps_high=0.2,
-    dual_clip_c=3.0,
-) -> PolicyLossOutput:
-    """M2PO: the GRPO (ppo_clip) loss on the tokens `m2_keep_mask` keeps, exactly 0 on the others.
-
-    `keep_mask` (from `m2_keep_mask` over the whole step) overrides the
-    selection made on this micro-batch alone. Dropped tokens are reported
-    as `clipped`. For a mean over the kept tokens only, aggregate with
-    `mask * keep` as the mask (and count the kept tokens in `global_tokens`).
-    """
-    keep = m2_keep_mask(logp_old, logp_rollout, mask, m2_threshold) if keep_mask is None else keep_mask.bool()
-    out = ppo_clip(logp, logp_old, advantages, mask=keep, eps_low=eps_low, eps_high=eps_high, dual_clip_c=dual_clip_c)
-    clipped = torch.where(keep, out.clipped, torch.ones_like(out.clipped))
-    return PolicyLossOutput(out.loss, clipped, out.ratio)
-
-
 class ValueLossOutput(NamedTuple):
     """Per-token critic loss (aggregate with token-mean) and where the clipped branch was active."""
 
@@ -156,7 +141,8 @@ class ValueLossOutput(NamedTuple):
 
 
 def value_loss(
-    values: torch.Tensor, values_old: torch.Tensor, returns: torch.Tensor, *, mask: torch.Tensor, value_clip: float = 0.2
+    values: torch.Tensor, values_old: torch.Tensor, returns: torch.Tensor, *, mask: torch.Tensor,
+    value_clip: float = 0.2,
 ) -> ValueLossOutput:
     """PPO critic: `0.5 max((V - ret)^2, (clip(V, V_old - eps_v, V_old + eps_v) - ret)^2)`."""
     values, values_old, returns = _zero_masked(mask, values, values_old, returns)

@@ -1,96 +1,93 @@
-"""Name -> implementation tables for the RL algorithm pieces.
+"""Name -> implementation of the RL algorithm pieces, filled where each function is defined.
 
-A recipe names its advantage estimator, policy loss, KL estimator and loss
-aggregation by string; the trainer resolves those strings here. The tables
-hold dotted paths ("module:function") and import the implementation only when
-it is asked for, so importing this module (as `relax list algorithms` does)
-pulls in no torch. Formulas: /work/shared/ALGORITHMS.md.
+Each implementation registers itself with a decorator next to its
+definition (as verl does):
 
-Kinds "estimator" and "loss" are the algorithm suite's uniform interfaces
-(estimators.py, policy_losses.py) that `AlgorithmSpec` names refer to;
-"advantage" and "policy_loss" are the older per-sample / unmasked forms.
+    @register_estimator("grpo")                  # estimators.py
+    @register_loss("ppo_clip")                   # policy_losses.py
+    @register_token_selection("m2")              # policy_losses.py
+    @register_kl("k3", aliases=("low_var_kl",))  # kl.py
+    @register_loss_agg("token-mean")             # aggregation.py
+
+An algorithm's spec (specs.py) names the pieces it is made of; the trainer
+resolves those names here. The built-in implementations live in the torch
+modules of `_HOMES`, which are imported the first time a name of their kind
+is resolved, so importing this module (as recipe validation and `relax list
+algorithms` do through the specs) imports no torch. A function defined
+elsewhere (a test, a plug-in) is registered as soon as its module is imported.
+Formulas: /work/shared/ALGORITHMS.md.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 _PKG = "relax_core.algorithms"
 
-# kind -> name -> "module:attribute" (lazy) or a callable (registered at run time).
-_TABLES: dict[str, dict[str, str | Callable[..., Any]]] = {
-    "advantage": {
-        "grpo": f"{_PKG}.advantages:grpo",
-        "dr_grpo": f"{_PKG}.advantages:dr_grpo",
-        "rloo": f"{_PKG}.advantages:rloo",
-    },
-    "policy_loss": {
-        "ppo_clip": f"{_PKG}.losses:ppo_clip",
-    },
-    # The suite's batch interface (estimators.py): every estimator maps an
-    # AdvantageBatch to per-token advantages, per-sample and per-token alike.
-    "estimator": {
-        name: f"{_PKG}.estimators:{name}"
-        for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "opd")
-    },
-    # The suite's masked policy-loss interface (policy_losses.py).
-    "loss": {
-        name: f"{_PKG}.policy_losses:{name}"
-        for name in ("ppo_clip", "gspo", "cispo", "sapo", "m2po")
-    },
-    "kl": {
-        "k1": f"{_PKG}.kl:k1",
-        "k2": f"{_PKG}.kl:k2",
-        "k3": f"{_PKG}.kl:k3",
-        "low_var_kl": f"{_PKG}.kl:k3",
-    },
-    "loss_agg": {
-        "token-mean": f"{_PKG}.aggregation:token_mean",
-        "seq-mean-token-sum": f"{_PKG}.aggregation:seq_mean_token_sum",
-        "seq-mean-token-mean": f"{_PKG}.aggregation:seq_mean_token_mean",
-        "seq-mean-token-sum-norm": f"{_PKG}.aggregation:seq_mean_token_sum_norm",
-    },
+# kind -> the module holding the built-in implementations of that kind (imported on first resolve).
+_HOMES = {
+    "estimator": f"{_PKG}.estimators",
+    "loss": f"{_PKG}.policy_losses",
+    "token_selection": f"{_PKG}.policy_losses",
+    "kl": f"{_PKG}.kl",
+    "loss_agg": f"{_PKG}.aggregation",
 }
+_TABLES: dict[str, dict[str, Callable[..., Any]]] = {kind: {} for kind in _HOMES}
 
 
-def register(kind: str, name: str, fn: Callable[..., Any]) -> None:
-    """Add (or replace) an implementation, e.g. from a user plug-in."""
-    _table(kind)[name] = fn
+def _register(kind: str, name: str, aliases: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for key in (name, *aliases):
+            if _TABLES[kind].get(key, fn) is not fn:
+                raise ValueError(f"{kind} '{key}' is already registered ({_TABLES[kind][key].__qualname__})")
+            _TABLES[kind][key] = fn
+        return fn
+
+    return decorate
+
+
+def register_estimator(name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register `fn(batch: AdvantageBatch, **params) -> AdvantageResult` (estimators.py)."""
+    return _register("estimator", name, aliases)
+
+
+def register_loss(name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register `fn(logp, logp_old, advantages, *, mask, logp_rollout=None, **params) -> PolicyLossOutput`."""
+    return _register("loss", name, aliases)
+
+
+def register_token_selection(name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register `fn(logp_old, logp_rollout, mask, **params) -> bool [B, T]`, run once over the whole step."""
+    return _register("token_selection", name, aliases)
+
+
+def register_kl(name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register a per-token KL estimator `fn(logp, logp_ref) -> [B, T]`."""
+    return _register("kl", name, aliases)
+
+
+def register_loss_agg(name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register `fn(loss, mask, *, global_tokens=None, global_seqs=None, norm_len=None) -> scalar`."""
+    return _register("loss_agg", name, aliases)
 
 
 def resolve(kind: str, name: str) -> Callable[..., Any]:
-    """Return the implementation registered as `name` under `kind`."""
+    """The implementation registered as `name` under `kind`; a KeyError naming the valid ones otherwise."""
     table = _table(kind)
     if name not in table:
-        valid = ", ".join(sorted(table))
-        raise KeyError(f"unknown {kind} '{name}'; valid names: {valid}")
-    entry = table[name]
-    if callable(entry):
-        return entry
-    module_name, attr = entry.split(":")
-    return getattr(importlib.import_module(module_name), attr)
+        importlib.import_module(_HOMES[kind])
+    if name not in table:
+        raise KeyError(f"unknown {kind} '{name}'; valid names: {', '.join(sorted(table))}")
+    return table[name]
 
 
-def list_algorithms() -> dict[str, list[str]]:
-    """All registered names, by kind (what `relax list algorithms` prints)."""
-    return {kind: sorted(table) for kind, table in _TABLES.items()}
-
-
-def get_advantage_estimator(name: str) -> Callable[..., Any]:
-    return resolve("advantage", name)
-
-
-def get_policy_loss(name: str) -> Callable[..., Any]:
-    return resolve("policy_loss", name)
-
-
-def get_kl_estimator(name: str) -> Callable[..., Any]:
-    return resolve("kl", name)
-
-
-def get_loss_aggregator(name: str) -> Callable[..., Any]:
-    return resolve("loss_agg", name)
+def names(kind: str) -> list[str]:
+    """Every name registered under `kind` (imports the built-in implementations)."""
+    table = _table(kind)
+    importlib.import_module(_HOMES[kind])
+    return sorted(table)
 
 
 def get_estimator(name: str) -> Callable[..., Any]:
@@ -103,9 +100,20 @@ def get_loss(name: str) -> Callable[..., Any]:
     return resolve("loss", name)
 
 
-def _table(kind: str) -> dict[str, str | Callable[..., Any]]:
+def get_token_selection(name: str) -> Callable[..., Any]:
+    """A step-wide token selection: `fn(logp_old, logp_rollout, mask, **params) -> keep mask`."""
+    return resolve("token_selection", name)
+
+
+def get_kl_estimator(name: str) -> Callable[..., Any]:
+    return resolve("kl", name)
+
+
+def get_loss_aggregator(name: str) -> Callable[..., Any]:
+    return resolve("loss_agg", name)
+
+
+def _table(kind: str) -> dict[str, Callable[..., Any]]:
     if kind not in _TABLES:
-        raise KeyError(
-            f"unknown algorithm kind '{kind}'; valid kinds: {', '.join(_TABLES)}"
-        )
+        raise KeyError(f"unknown algorithm kind '{kind}'; valid kinds: {', '.join(_TABLES)}")
     return _TABLES[kind]

@@ -1,24 +1,48 @@
-"""The recipe's `algorithm:` section: one typed, validated config class per algorithm.
+"""The recipe's `algorithm:` section: each algorithm's parameters, typed, bounded and documented.
 
-`AlgorithmConfig` is a union discriminated on `name` (default `grpo`); each
-class carries only its algorithm's parameters, with bounds and a docstring per
-field. What an algorithm is built from (estimator, loss, needs) lives in
-relax_core/algorithms/specs.py; the classes here read their spec to check
-requirements (PPO without a critic, OPD without a teacher) and to hand the
-trainer its keyword arguments (`estimator_kwargs`, `loss_kwargs`).
-`algorithm_problems` holds the checks that need the rest of the recipe (mode,
-group size, response length). pydantic only: nothing heavy is imported.
+Which algorithms exist and what they are made of is declared once, in their
+specs (relax_core/algorithms/specs.py). Each spec names the class here that
+holds its parameters (`AlgorithmSpec.config`) and `config_class` binds that
+class to the spec's name; an algorithm without parameters of its own uses
+`AlgorithmCommon` (aggregation, KL, off-policy correction) or `ClipConfig`
+(plus the PPO clip range). The recipe's `algorithm` field (`AlgorithmConfig`)
+picks the class by `name` (default `grpo`) when the recipe is validated, so
+an algorithm registered at run time (a plug-in, a test) is accepted like a
+built-in one. The classes read their spec to check requirements (PPO without
+a critic, OPD without a teacher) and hand the trainer its keyword arguments
+(`estimator_kwargs`, `loss_kwargs`, `selection_kwargs`). pydantic only:
+nothing heavy is imported.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import functools
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    SerializeAsAny,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from relax_core.algorithms.specs import AlgorithmSpec, get_spec, spec_problems
+if TYPE_CHECKING:
+    from relax_core.algorithms.specs import AlgorithmSpec
 
+DEFAULT_ALGORITHM = "grpo"
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _specs():
+    """The spec table, imported on use: it imports the classes of this module (the specs name them)."""
+    from relax_core.algorithms import specs
+
+    return specs
 
 
 class AlgoSection(BaseModel):
@@ -32,8 +56,8 @@ class KLConfig(AlgoSection):
 
     coef: float = Field(0.0, ge=0.0)
     """KL coefficient (beta); 0 turns the KL off (and, unless the algorithm needs it, the reference model)."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 (log-ratio), k2 (squared), k3 (low-variance)."""
+    estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """KL estimator: k1 (log-ratio), k2 (squared), k3 (low-variance; also called low_var_kl)."""
     placement: Literal["loss", "reward"] = "loss"
     """`loss`: add `coef * agg(k)` to the policy loss; `reward`: subtract `coef * k_t` from the token rewards."""
 
@@ -88,11 +112,19 @@ class OverlongConfig(AlgoSection):
 DEFAULT_ASYNC_TIS_CAP = 2.0  # ALGORITHMS.md, "Off-policy correction"
 
 
+def _spec_loss_agg(data: dict[str, Any]) -> str:
+    """Default of `loss_agg`: the one the algorithm's spec declares (an unknown name is reported on `name`)."""
+    name = data.get("name")
+    return _specs().get_spec(name).loss_agg if name in _specs().algorithm_names() else "token-mean"
+
+
 class AlgorithmCommon(AlgoSection):
     """What every algorithm has: aggregation, KL, off-policy correction."""
 
-    loss_agg: LossAgg = "token-mean"
-    """How per-token losses are reduced to the step loss."""
+    name: str
+    """Algorithm name (`relax list algorithms` shows them)."""
+    loss_agg: LossAgg = Field(default_factory=_spec_loss_agg)
+    """How per-token losses are reduced to the step loss; the algorithm's own if unset (`relax list algorithms`)."""
     norm_len: int | None = Field(None, ge=1)
     """Constant length normaliser of `seq-mean-token-sum-norm`; `rollout.max_new_tokens` if unset."""
     kl: KLConfig = Field(default_factory=KLConfig)
@@ -110,7 +142,14 @@ class AlgorithmCommon(AlgoSection):
 
     @property
     def spec(self) -> AlgorithmSpec:
-        return get_spec(self.name)  # type: ignore[attr-defined]
+        return _specs().get_spec(self.name)
+
+    @classmethod
+    def tagged_models(cls) -> dict[str, type[AlgorithmCommon]]:
+        """Each algorithm's class by name: what the recipe's `algorithm` field accepts (the loader maps
+        an error's location through it, to name the valid keys of that algorithm's section)."""
+        specs = _specs()
+        return {name: config_class(specs.get_spec(name)) for name in specs.algorithm_names()}
 
     @property
     def uses_reference(self) -> bool:
@@ -130,15 +169,23 @@ class AlgorithmCommon(AlgoSection):
         """Keyword arguments of the spec's policy loss."""
         return {}
 
+    def selection_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the spec's token selection."""
+        return {}
+
+    def recipe_problems(self, *, mode: str, group_size: int, max_new_tokens: int) -> list[str]:
+        """Checks against the rest of the recipe (mode, samples per prompt); empty if it fits."""
+        return _specs().spec_problems(self.name, mode=mode, group_size=group_size)
+
     @model_validator(mode="after")
-    def _needs(self) -> "AlgorithmCommon":
-        spec, name = self.spec, self.spec.name
+    def _needs(self) -> AlgorithmCommon:
+        spec, name = self.spec, self.name
         if spec.needs_critic and getattr(self, "critic", None) is None:
-            raise ValueError(
-                f"algorithm.critic is missing: algorithm {name} needs a critic (value model), e.g. `critic: {{lr: 1e-5}}`"
-            )
+            raise ValueError(f"algorithm.critic is missing: algorithm {name} needs a critic (value model), "
+                             "e.g. `critic: {lr: 1e-5}`")
         if spec.needs_teacher and getattr(self, "teacher", None) is None:
-            raise ValueError(f"algorithm.teacher is missing: algorithm {name} needs a teacher (set algorithm.teacher.path)")
+            raise ValueError(f"algorithm.teacher is missing: algorithm {name} needs a teacher "
+                             "(set algorithm.teacher.path)")
         if self.kl.placement == "reward" and "kl_coef" not in self.estimator_kwargs():
             raise ValueError(f"kl.placement: algorithm {name} takes the KL as a loss term only (placement: loss)")
         return self
@@ -158,7 +205,11 @@ class ClipMixin(AlgoSection):
         return {"eps_low": self.eps_low, "eps_high": self.eps_high, "dual_clip_c": self.dual_clip_c}
 
 
-class PPOConfig(ClipMixin, AlgorithmCommon):
+class ClipConfig(ClipMixin, AlgorithmCommon):
+    """The common parameters and the PPO clip range: an algorithm with the ppo_clip loss and nothing of its own."""
+
+
+class PPOConfig(ClipConfig):
     """PPO: GAE advantages from a learned critic, clipped policy loss, clipped value loss."""
 
     name: Literal["ppo"] = "ppo"
@@ -175,23 +226,14 @@ class PPOConfig(ClipMixin, AlgorithmCommon):
         return {"gamma": self.gamma, "lam": self.lam, "kl_coef": kl}
 
 
-class GRPOConfig(ClipMixin, AlgorithmCommon):
+class GRPOConfig(ClipConfig):
     """GRPO: group-normalised outcome advantages with the PPO clipped loss, no critic."""
 
     name: Literal["grpo"] = "grpo"
     """Algorithm name."""
 
 
-class DrGRPOConfig(ClipMixin, AlgorithmCommon):
-    """Dr. GRPO: group-centred advantages (no std) and a constant length normaliser."""
-
-    name: Literal["dr_grpo"] = "dr_grpo"
-    """Algorithm name."""
-    loss_agg: LossAgg = "seq-mean-token-sum-norm"
-    """How per-token losses are reduced to the step loss."""
-
-
-class DAPOConfig(ClipMixin, AlgorithmCommon):
+class DAPOConfig(ClipConfig):
     """DAPO: GRPO with clip-higher, dynamic sampling, token-mean and overlong shaping."""
 
     name: Literal["dapo"] = "dapo"
@@ -203,15 +245,18 @@ class DAPOConfig(ClipMixin, AlgorithmCommon):
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     """Overlong reward shaping."""
 
+    def recipe_problems(self, *, mode: str, group_size: int, max_new_tokens: int) -> list[str]:
+        """Also: the overlong window must fit in the response budget."""
+        problems = super().recipe_problems(mode=mode, group_size=group_size, max_new_tokens=max_new_tokens)
+        if self.overlong.enabled and self.overlong.cache_len(max_new_tokens) > max_new_tokens:
+            problems.append(
+                f"algorithm.overlong.buffer_len: {self.overlong.buffer_len} exceeds rollout.max_new_tokens "
+                f"({max_new_tokens})"
+            )
+        return problems
 
-class RLOOConfig(ClipMixin, AlgorithmCommon):
-    """RLOO: leave-one-out baseline advantages with the PPO clipped loss."""
 
-    name: Literal["rloo"] = "rloo"
-    """Algorithm name."""
-
-
-class ReinforcePPConfig(ClipMixin, AlgorithmCommon):
+class ReinforcePPConfig(ClipConfig):
     """REINFORCE++: KL-penalised token rewards, discounted return, batch-whitened advantages."""
 
     name: Literal["reinforce_pp"] = "reinforce_pp"
@@ -226,20 +271,13 @@ class ReinforcePPConfig(ClipMixin, AlgorithmCommon):
         return {"gamma": self.gamma, "kl_coef": kl}
 
     @model_validator(mode="after")
-    def _kl_in_reward(self) -> "ReinforcePPConfig":
+    def _kl_in_reward(self) -> ReinforcePPConfig:
         if self.kl.placement != "reward" or self.kl.coef <= 0:
             raise ValueError("kl: reinforce_pp puts the KL into the rewards; set kl.placement: reward and kl.coef > 0")
         return self
 
 
-class ReinforcePPBaselineConfig(ClipMixin, AlgorithmCommon):
-    """REINFORCE++-baseline: group-mean baseline, batch-whitened, PPO clipped loss."""
-
-    name: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"
-    """Algorithm name."""
-
-
-class GSPOConfig(ClipMixin, AlgorithmCommon):
+class GSPOConfig(ClipConfig):
     """GSPO: sequence-level importance ratio, clipped per sequence with small eps."""
 
     name: Literal["gspo"] = "gspo"
@@ -250,8 +288,6 @@ class GSPOConfig(ClipMixin, AlgorithmCommon):
     """Upper clip range of the sequence ratio (paper: 4e-4)."""
     dual_clip_c: float | None = Field(None, gt=1.0)
     """Dual-clip bound for negative advantages; off by default for GSPO."""
-    loss_agg: LossAgg = "seq-mean-token-mean"
-    """How per-token losses are reduced (seq-mean-token-mean makes the gradient the sequence-level one)."""
 
 
 class SAPOConfig(AlgorithmCommon):
@@ -263,8 +299,6 @@ class SAPOConfig(AlgorithmCommon):
     """Gate temperature for tokens with positive advantage."""
     tau_neg: float = Field(1.05, gt=0.0)
     """Gate temperature for tokens with negative advantage."""
-    loss_agg: LossAgg = "seq-mean-token-mean"
-    """How per-token losses are reduced to the step loss."""
 
     def loss_kwargs(self) -> dict[str, Any]:
         return {"tau_pos": self.tau_pos, "tau_neg": self.tau_neg}
@@ -284,7 +318,7 @@ class CISPOConfig(AlgorithmCommon):
         return {"eps_low": self.eps_low, "eps_high": self.eps_high}
 
 
-class M2POConfig(ClipMixin, AlgorithmCommon):
+class M2POConfig(ClipConfig):
     """M2PO: mask the tokens with the largest rollout/trainer log-ratio^2 until its mean is under a threshold."""
 
     name: Literal["m2po"] = "m2po"
@@ -292,11 +326,11 @@ class M2POConfig(ClipMixin, AlgorithmCommon):
     m2_threshold: float = Field(0.04, gt=0.0)
     """Bound on the mean squared log-ratio of the kept tokens (paper: 0.04)."""
 
-    def loss_kwargs(self) -> dict[str, Any]:
-        return {**super().loss_kwargs(), "m2_threshold": self.m2_threshold}
+    def selection_kwargs(self) -> dict[str, Any]:
+        return {"m2_threshold": self.m2_threshold}
 
 
-class OPDConfig(ClipMixin, AlgorithmCommon):
+class OPDConfig(ClipConfig):
     """On-policy distillation: per-token reverse KL to a teacher as the advantage, PPO clipped loss."""
 
     name: Literal["opd"] = "opd"
@@ -305,47 +339,45 @@ class OPDConfig(ClipMixin, AlgorithmCommon):
     """The teacher model; required."""
 
 
-ALGORITHM_MODELS: dict[str, type[AlgorithmCommon]] = {
-    model.model_fields["name"].default: model
-    for model in (
-        PPOConfig, GRPOConfig, DrGRPOConfig, DAPOConfig, RLOOConfig, ReinforcePPConfig,
-        ReinforcePPBaselineConfig, GSPOConfig, SAPOConfig, CISPOConfig, M2POConfig, OPDConfig,
+@functools.cache
+def config_class(spec: AlgorithmSpec) -> type[AlgorithmCommon]:
+    """The class that validates `spec`'s recipe section: `spec.config`, its `name` bound to `spec.name`.
+
+    A class written for one algorithm (its `name` defaults to that algorithm's) is used as is; a shared
+    one (AlgorithmCommon, ClipConfig, or another algorithm's class) gets a subclass with the name.
+    """
+    base = spec.config
+    if base.model_fields["name"].default == spec.name:
+        return base
+    title = "".join(part.capitalize() for part in spec.name.replace("-", "_").split("_"))
+    return create_model(
+        f"{title}Config", __base__=base, __doc__=spec.description, __module__=__name__,
+        name=(Literal[spec.name], Field(spec.name, description="Algorithm name.")),  # type: ignore[valid-type]
     )
-}
 
 
-def _pick_name(value: Any) -> str:
-    if isinstance(value, dict):
-        return value.get("name", "grpo")
-    return getattr(value, "name", "grpo")
+def _validate_algorithm(value: Any) -> AlgorithmCommon:
+    """The recipe's `algorithm` section validated by the class of the algorithm it names."""
+    name = value.get("name", DEFAULT_ALGORITHM) if isinstance(value, dict) else getattr(value, "name", None)
+    specs = _specs()
+    if name not in specs.algorithm_names():
+        message = f"unknown algorithm {name!r}; valid names: {', '.join(specs.algorithm_names())}"
+        raise ValidationError.from_exception_data("algorithm", [InitErrorDetails(
+            type=PydanticCustomError("value_error", message), loc=("name",), input=name)])
+    model = config_class(specs.get_spec(name))
+    if isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:  # located under the name, as pydantic locates a tagged union's errors
+        errors = [{**e, "loc": (name, *e["loc"])} for e in exc.errors(include_url=False)]
+        raise ValidationError.from_exception_data(exc.title, errors) from None  # type: ignore[arg-type]
 
 
-AlgorithmConfig = Annotated[
-    Union[tuple(Annotated[model, Tag(name)] for name, model in ALGORITHM_MODELS.items())],  # type: ignore[misc]
-    Discriminator(_pick_name),
-]
+AlgorithmConfig = Annotated[SerializeAsAny[AlgorithmCommon], PlainValidator(_validate_algorithm)]
 
 
 def algorithm_problems(algo: AlgorithmCommon, *, mode: str, group_size: int, max_new_tokens: int) -> list[str]:
-    """Checks against the rest of the recipe: mode, samples per prompt, DAPO's overlong window."""
-    problems = spec_problems(algo.spec.name, mode=mode, group_size=group_size)
-    if isinstance(algo, DAPOConfig) and algo.overlong.enabled and algo.overlong.cache_len(max_new_tokens) > max_new_tokens:
-        problems.append(
-            f"algorithm.overlong.buffer_len: {algo.overlong.buffer_len} exceeds rollout.max_new_tokens "
-            f"({max_new_tokens})"
-        )
-    return problems
+    """Checks against the rest of the recipe (each algorithm's `recipe_problems`)."""
+    return algo.recipe_problems(mode=mode, group_size=group_size, max_new_tokens=max_new_tokens)
 
-
-def describe_algorithms() -> list[dict[str, Any]]:
-    """Each algorithm's name, one-line description and parameters (for `relax list algorithms [--json]`)."""
-    rows = []
-    for name, model in ALGORITHM_MODELS.items():
-        params = {
-            field: {"default": repr(info.default) if info.default_factory is None else "(section)",
-                    "doc": info.description or ""}
-            for field, info in model.model_fields.items()
-            if field != "name"
-        }
-        rows.append({"name": name, "description": get_spec(name).description, "parameters": params})
-    return rows

@@ -1,4 +1,4 @@
-"""Checks of what a recipe refers to: files, folders, reward names.
+"""Checks of what a recipe refers to: the model and data paths, the reward plug-in folders.
 
 The schema checks a recipe's shape; these check that the things it names
 exist, so that a typo fails on the login node with exit 2 instead of on the
@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from relax_core.config.loader import RecipeError
 from relax_core.config.schema import FileData, HFModel, Recipe
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -19,14 +18,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def reference_problems(recipe: Recipe) -> list[str]:
     """Every path or name in the recipe that does not exist on this machine."""
     return _model_problems(recipe) + _data_problems(recipe) + _plugin_dir_problems(recipe)
-
-
-def check_references(recipe: Recipe, recipe_path: str | Path) -> None:
-    """Raise `RecipeError` naming every path or name in the recipe that does not exist."""
-    problems = reference_problems(recipe)
-    if problems:
-        lines = "\n".join(f"  {p}" for p in problems)
-        raise RecipeError(f"{recipe_path}: {len(problems)} problem(s) with what the recipe refers to\n{lines}")
 
 
 def looks_like_hub_id(value: str) -> bool:

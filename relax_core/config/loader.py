@@ -199,7 +199,8 @@ def _child_model(model: type[BaseModel] | None, key: str):
         return None, None
     candidates = _models_in(model.model_fields[key].annotation)
     if len(candidates) == 1:
-        return candidates[0], None
+        family = getattr(candidates[0], "tagged_models", None)  # an open family picked by tag (algorithms)
+        return (None, family()) if family else (candidates[0], None)
     if candidates:
         return None, {_tag_of(m): m for m in candidates} | _extra_tags(candidates)
     return None, None

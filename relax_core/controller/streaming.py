@@ -7,6 +7,8 @@
             generate, score -> bus partition s               publish version s; clear partition s
             [fully_async] advantage stage adds               log, checkpoint
             `advantages` to the partition
+    told to stop (job.stop)? the rollout thread's generation is aborted and dropped; the trainer
+    checkpoints the last step it trained, with the prompt cursor as of that step, and returns "stopped"
 
 The two modes differ in where the step's advantages are computed: in
 `fully_async` an advantage stage on the rollout side reads the partition's
@@ -24,11 +26,11 @@ import time
 from statistics import fmean
 
 from relax_core.controller.job import Job, timed
+from relax_core.controller.preemption import Preempted
 from relax_core.controller.producer import RolloutProducer, StepRecord, VersionGate
 from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
-OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")  # need only rewards and group ids
 TAKE_TIMEOUT_S = 3600.0  # one step's rollout; a dead producer is noticed at once, not after this
 
 
@@ -53,7 +55,10 @@ def train_streaming(job: Job, advantages) -> str:
     last_end = time.perf_counter()
     try:
         for step in range(start + 1, total + 1):
-            (record, (samples, extra)), wait_s = timed(_take, producer, bus, step, fields)
+            try:
+                (record, (samples, extra)), wait_s = timed(_take, producer, bus, step, fields)
+            except Preempted:
+                return job.stop_here()
             depth = bus.depth()
             train_metrics, train_s = timed(job.train, samples, extra.get("advantages"), step)
             gate.publish(step)
@@ -63,10 +68,11 @@ def train_streaming(job: Job, advantages) -> str:
             job.log(step, stream_metrics(samples, record, step, wait_s, train_s, now - last_end, depth)
                     | record.reward_stats | record.engine_stats | train_metrics)
             last_end = now
-            if step % job.recipe.checkpoint.interval == 0 or step == total or job.stop.is_set():
+            job.step_done(step, record.data_state)  # the cursor as of this step, not the producer's now
+            if step % job.recipe.checkpoint.interval == 0 or step == total:
                 job.checkpoint(step, record.data_state)
-            if job.stop.is_set():
-                return "stopped"
+            if job.stop.is_set() and step < total:
+                return job.stop_here()
         return "completed"
     finally:
         producer.stop()
@@ -104,11 +110,11 @@ def stream_metrics(samples: list[Sample], record: StepRecord, step: int, wait_s:
 
 
 def advantage_stage(recipe):
-    """The rollout-side advantage function of `fully_async`, or None where the trainer must compute them
-    (estimators that read log-probs, values or KL; M2PO's token selection)."""
+    """The rollout-side advantage function of `fully_async` where the algorithm's spec declares its
+    advantages `outcome_only` (rewards and group ids suffice); None where the trainer computes them."""
     algo = recipe.algorithm
     spec = algo.spec
-    if spec.advantage_estimator not in OUTCOME_ESTIMATORS or spec.policy_loss == "m2po":
+    if not spec.outcome_only:
         return None
     import torch
 

@@ -2,8 +2,8 @@
 
 Sits between `TorchTrainer._prepare` (which packs the step and runs the
 no-grad forwards: old, reference and teacher log-probs) and the loss. Every
-estimator of the algorithm suite (algorithms/estimators.py) and M2PO's token
-selection work on the *whole step* (all data-parallel ranks): whitening,
+estimator of the algorithm suite (algorithms/estimators.py) and a token
+selection (M2PO's) work on the *whole step* (all data-parallel ranks): whitening,
 group baselines and the M2 threshold must not depend on how the batch was
 split. Each rank therefore hands its samples' per-token values as plain
 lists, the lists of all ranks are concatenated, padded to `[N, T]`, the
@@ -18,14 +18,13 @@ from typing import Any, Callable, Sequence
 import torch
 
 from relax_core.algorithms.estimators import AdvantageBatch
-from relax_core.algorithms.policy_losses import m2_keep_mask
 
 Rows = list[list[float]]
 
 
 @dataclass
 class StepResult:
-    """Per-sample rows of the step's advantages, M2PO keep mask (or None) and gae returns (or None)."""
+    """Per-sample rows of the step's advantages, token-selection keep mask (or None) and gae returns (or None)."""
 
     advantages: Rows
     keep: Rows | None = None
@@ -44,7 +43,7 @@ class StepRows:
     Attributes:
         rewards / group_ids: one per sample.
         tokens: per-token lists by `AdvantageBatch` field name ("mask", "kl",
-            "values", "logp", "logp_teacher") plus "logp_rollout" for M2PO.
+            "values", "logp", "logp_teacher") plus "logp_rollout" for a token selection.
     """
 
     rewards: list[float]
@@ -87,17 +86,18 @@ def step_advantages(
     kwargs: dict[str, Any],
     step: StepRows,
     *,
-    m2_threshold: float | None = None,
+    select: Callable[..., torch.Tensor] | None = None,
 ) -> StepResult:
-    """Per-token advantages of every sample of the step, M2PO's keep mask and gae's returns.
+    """Per-token advantages of every sample of the step, the token selection's keep mask and gae's returns.
 
-    `step` holds the whole step (all ranks). Returned rows have each
+    `step` holds the whole step (all ranks); `select(logp_old, logp_rollout, mask)` is the
+    algorithm's token selection with its parameters bound. Returned rows have each
     sample's response length.
     """
     mask_rows = step.tokens["mask"]
     lengths = [len(r) for r in mask_rows]
     if not lengths:
-        return StepResult([], [] if m2_threshold is not None else None, [] if "values" in step.tokens else None)
+        return StepResult([], [] if select is not None else None, [] if "values" in step.tokens else None)
     mask = pad_rows(mask_rows)
     extra = {key: pad_rows(rows, mask.shape[1]) for key, rows in step.tokens.items()
              if key in ("kl", "values", "logp", "logp_teacher")}
@@ -105,8 +105,8 @@ def step_advantages(
     result = estimator(batch, **kwargs)
     returns = cut_rows(result.returns, lengths) if result.returns is not None else None
     keep = None
-    if m2_threshold is not None:
+    if select is not None:
         logp_old = pad_rows(step.tokens["logp"], mask.shape[1])
         rollout = pad_rows(step.tokens["logp_rollout"], mask.shape[1])
-        keep = cut_rows(m2_keep_mask(logp_old, rollout, mask, m2_threshold).float(), lengths)
+        keep = cut_rows(select(logp_old, rollout, mask).float(), lengths)
     return StepResult(cut_rows(result.advantages, lengths), keep, returns)

@@ -204,43 +204,43 @@ def test_micro_batch_contributions_sum_to_token_mean():
     close(sum(parts), [7 / 3])
 
 
-def test_registry_resolves_and_lists_every_name():
-    names = registry.list_algorithms()
-    assert names["advantage"] == ["dr_grpo", "grpo", "rloo"]
-    assert names["policy_loss"] == ["ppo_clip"]
-    assert set(names["kl"]) == {"k1", "k2", "k3", "low_var_kl"}
-    assert names["loss_agg"] == sorted(
-        [
-            "token-mean",
-            "seq-mean-token-sum",
-            "seq-mean-token-mean",
-            "seq-mean-token-sum-norm",
-        ]
+def test_every_piece_is_registered_where_it_is_defined():
+    from relax_core.algorithms import estimators, policy_losses
+
+    assert registry.names("estimator") == sorted(
+        ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "opd"]
     )
-    assert registry.get_advantage_estimator("grpo") is grpo
-    assert registry.get_policy_loss("ppo_clip") is ppo_clip
+    assert registry.names("loss") == ["cispo", "gspo", "ppo_clip", "sapo"]
+    assert registry.names("token_selection") == ["m2"]
+    assert registry.names("kl") == ["k1", "k2", "k3", "low_var_kl"]
+    assert registry.names("loss_agg") == sorted(
+        ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    )
+    assert registry.get_estimator("grpo") is estimators.grpo
+    assert registry.get_loss("ppo_clip") is policy_losses.ppo_clip
+    assert registry.get_token_selection("m2") is policy_losses.m2_keep_mask
     assert registry.get_kl_estimator("low_var_kl") is k3
     assert registry.get_loss_aggregator("token-mean") is token_mean
 
 
 def test_registry_unknown_name_lists_valid_ones():
-    with pytest.raises(KeyError, match="valid names: dr_grpo, grpo, rloo"):
-        registry.get_advantage_estimator("grpoo")
+    with pytest.raises(KeyError, match="valid names: dr_grpo, gae, grpo, opd, reinforce_pp"):
+        registry.get_estimator("grpoo")
+    with pytest.raises(KeyError, match="valid kinds: estimator, loss"):
+        registry.names("advantage")
 
 
-def test_registry_accepts_plugins():
-    registry.register("advantage", "test_zero", lambda rewards, group_ids: rewards * 0)
-    try:
-        assert registry.get_advantage_estimator("test_zero")(
-            torch.ones(2), [0, 1]
-        ).tolist() == [0.0, 0.0]
-    finally:
-        registry._TABLES["advantage"].pop("test_zero")
+def test_a_name_cannot_be_registered_twice():
+    registry.get_loss("ppo_clip")  # the built-ins are registered
+    with pytest.raises(ValueError, match="loss 'ppo_clip' is already registered"):
+        registry.register_loss("ppo_clip")(lambda *args, **kwargs: None)
+    assert registry.get_loss("ppo_clip").__module__ == "relax_core.algorithms.policy_losses"
 
 
-def test_registry_import_does_not_import_torch():
+def test_registry_imports_the_implementations_only_on_resolve():
     code = (
-        "import sys, relax_core.algorithms.registry as r; r.list_algorithms(); "
-        "assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, relax_core.algorithms.registry as r, relax_core.algorithms.specs as s; s.get_spec('grpo'); "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "r.get_estimator('grpo'); assert 'torch' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

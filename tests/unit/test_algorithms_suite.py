@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import typing
 
 import pytest
 import torch
@@ -20,9 +21,10 @@ from relax_core.algorithms import registry
 from relax_core.algorithms.aggregation import seq_mean_token_mean, token_mean
 from relax_core.algorithms.dapo import dynamic_sampling_keep, overlong_penalty
 from relax_core.algorithms.estimators import AdvantageBatch, gae, grpo, opd, reinforce_pp, reinforce_pp_baseline, rloo
-from relax_core.algorithms.policy_losses import cispo, gspo, m2_keep_mask, m2po, ppo_clip, sapo, value_loss
-from relax_core.algorithms.specs import ALGORITHM_SPECS, spec_problems
-from relax_core.config.algorithms import ALGORITHM_MODELS, AlgorithmConfig, algorithm_problems, describe_algorithms
+from relax_core.algorithms.policy_losses import cispo, gspo, m2_keep_mask, ppo_clip, sapo, value_loss
+from relax_core.algorithms.specs import AlgorithmSpec, algorithm_names, get_spec, spec_problems
+from relax_core.catalog import algorithm_entries
+from relax_core.config.algorithms import AlgorithmConfig, KLConfig, LossAgg, algorithm_problems, config_class
 
 NAN, INF = float("nan"), float("inf")
 
@@ -77,7 +79,8 @@ def test_gae_hand_worked_with_skipped_observation_token():
     batch = AdvantageBatch(torch.tensor([2.0, 1.0, 4.0]), [0, 1, 2], mask, values=values)
     # gamma 0.9, lambda 0.5 (gamma*lambda = 0.45), V after the last token = 0.
     # row 0: delta1 = 2 - 1.0 = 1 -> A1 = 1; delta0 = 0.9*1.0 - 0.5 = 0.4 -> A0 = 0.4 + 0.45*1 = 0.85
-    # row 1: delta2 = 1 - 0.4 = 0.6 -> A2 = 0.6; t=1 skipped; delta0 = 0.9*0.4 - 0.2 = 0.16 -> A0 = 0.16 + 0.45*0.6 = 0.43
+    # row 1: delta2 = 1 - 0.4 = 0.6 -> A2 = 0.6; t=1 skipped;
+    #   delta0 = 0.9*0.4 - 0.2 = 0.16 -> A0 = 0.16 + 0.45*0.6 = 0.43
     out = gae(batch, gamma=0.9, lam=0.5)
     close(out.returns, [[0.85 + 0.5, 1 + 1.0, 0], [0.43 + 0.2, 0, 0.6 + 0.4], [0, 0, 0]])
     w = whitened([0.85, 1.0, 0.43, 0.6])
@@ -194,17 +197,23 @@ def test_m2_keep_mask_drops_largest_squared_log_ratio_first():
     assert not m2_keep_mask(logp_old, logp_rollout, mask, 0.001).any()  # even the smallest, 0.01, is too big
 
 
-def test_m2po_is_grpo_loss_on_kept_tokens_only():
+def test_m2po_is_grpo_loss_on_the_tokens_its_selection_keeps():
+    # M2PO as its spec composes it: the token selection over the step, then its loss token-mean over kept tokens.
+    spec = get_spec("m2po")
+    select, loss = registry.get_token_selection(spec.token_selection), registry.get_loss(spec.policy_loss)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
     logp_old = torch.tensor([[0.1, 0.5, 10.0], [0.2, -0.3, 0.0]], dtype=torch.float64)
     logp = _logp([[0.1, 0.5, 10.0], [0.2 + math.log(4.0), -0.3, 0.0]])
     adv = torch.tensor([[1.0], [-2.0]], dtype=torch.float64)
-    out = m2po(logp, logp_old, adv, mask=mask, logp_rollout=torch.zeros(2, 3, dtype=torch.float64))
-    # kept: (0,0) r = 1, A = 1 -> -1; (1,0) r = 4, A = -2 -> max(8, 2.4) = 8, dual clip 2*3 = 6. Others 0.
-    close(out.loss, [[-1.0, 0, 0], [6.0, 0, 0]])
-    close(out.clipped * mask, [[0, 1, 0], [1, 1, 0]])
-    out.loss.sum().backward()
-    close(logp.grad, [[-1.0, 0, 0], [0, 0, 0]])  # only the unclipped kept token: -A r = -1
+    keep = select(logp_old, torch.zeros(2, 3, dtype=torch.float64), mask, m2_threshold=0.04)
+    # squares 0.01, 0.25, 0.04, 0.09: kept (0,0) and (1,0), as in the test above
+    assert keep.tolist() == [[True, False, False], [True, False, False]]
+    out = loss(logp, logp_old, adv, mask=mask)
+    total = token_mean(out.loss, mask * keep)
+    # kept: (0,0) r = 1, A = 1 -> -1; (1,0) r = 4, A = -2 -> max(8, 2.4) = 8, dual clip 2*3 = 6; mean (-1 + 6) / 2
+    close(total, 2.5)
+    total.backward()
+    close(logp.grad, [[-0.5, 0, 0], [0, 0, 0]])  # only the unclipped kept token: -A r / 2 tokens
 
 
 def test_value_loss_clipped_token_mean():
@@ -228,7 +237,6 @@ LOSSES = {
     "gspo": (gspo, {"eps_low": 0.5, "eps_high": 0.5}),  # the paper's 4e-4 would clip these rows
     "cispo": (cispo, {}),
     "sapo": (sapo, {}),
-    "m2po": (m2po, {"m2_threshold": 10.0}),
 }
 
 
@@ -255,9 +263,9 @@ def test_masked_tokens_get_exactly_zero_gradient_even_with_nan_inputs(name):
     assert torch.all(logp.grad[(mask == 1) & (adv != 0)] != 0.0)
 
 
-@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("name, selected", [(name, False) for name in sorted(LOSSES)] + [("ppo_clip", True)])
 @pytest.mark.parametrize("agg", [token_mean, seq_mean_token_mean])
-def test_micro_batch_split_gives_same_loss_and_gradient(name, agg):
+def test_micro_batch_split_gives_same_loss_and_gradient(name, selected, agg):
     fn, kw = LOSSES[name]
     gen = torch.Generator().manual_seed(0)
     mask = (torch.rand(8, 5, generator=gen) > 0.3).long()
@@ -266,17 +274,16 @@ def test_micro_batch_split_gives_same_loss_and_gradient(name, agg):
     logp_old = start + 0.1 * torch.randn(8, 5, generator=gen, dtype=torch.float64)
     logp_rollout = logp_old + 0.1 * torch.randn(8, 5, generator=gen, dtype=torch.float64)
     adv = torch.randn(8, 1, generator=gen, dtype=torch.float64).expand(8, 5)
-    keep = m2_keep_mask(logp_old, logp_rollout, mask, 0.005)  # the step-level selection, for m2po
-    extra = {"keep_mask": keep} if name == "m2po" else {}
-    norms = {"global_tokens": float(mask.sum()), "global_seqs": 8.0}
+    # the m2 token selection runs once over the step; the loss is then aggregated over the kept tokens
+    kept = mask * m2_keep_mask(logp_old, logp_rollout, mask, 0.005) if selected else mask
+    norms = {"global_tokens": float(kept.sum()), "global_seqs": 8.0}
     results = []
     for parts in (1, 2, 4):
         logp = start.clone().requires_grad_(True)
         total = torch.zeros((), dtype=torch.float64)
         for rows in torch.arange(8).chunk(parts):
-            out = fn(logp[rows], logp_old[rows], adv[rows], mask=mask[rows], logp_rollout=logp_rollout[rows],
-                     **kw, **{k: v[rows] for k, v in extra.items()})
-            part = agg(out.loss, mask[rows], **norms)
+            out = fn(logp[rows], logp_old[rows], adv[rows], mask=mask[rows], logp_rollout=logp_rollout[rows], **kw)
+            part = agg(out.loss, kept[rows], **norms)
             part.backward()
             total = total + part.detach()
         results.append((total, logp.grad))
@@ -305,36 +312,54 @@ def test_overlong_penalty_hand_worked():
 # ------------------------------------------------------------ specs / config
 ALGO = TypeAdapter(AlgorithmConfig)
 NEEDS = {"ppo": {"critic": {}}, "opd": {"teacher": {"path": "teacher-model"}}}
+BUILT_IN = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+            "gspo", "sapo", "cispo", "m2po", "opd"}
 
 
-def test_every_algorithm_has_a_spec_a_config_and_resolvable_parts():
-    expected = {"ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-                "gspo", "sapo", "cispo", "m2po", "opd"}
-    assert set(ALGORITHM_SPECS) == set(ALGORITHM_MODELS) == expected
-    for name, spec in ALGORITHM_SPECS.items():
+def test_every_algorithm_has_a_spec_a_documented_config_and_resolvable_parts():
+    assert set(algorithm_names()) == BUILT_IN
+    for name in algorithm_names():
+        spec = get_spec(name)
         registry.get_estimator(spec.advantage_estimator)
         registry.get_loss(spec.policy_loss)
         registry.get_loss_aggregator(spec.loss_agg)
+        if spec.token_selection:
+            registry.get_token_selection(spec.token_selection)
+        model = config_class(spec)
+        assert model.model_fields["name"].default == name
+        assert all(info.description for info in model.model_fields.values()), name
         assert ALGO.validate_python({"name": name, **NEEDS.get(name, {})}).loss_agg == spec.loss_agg
-    assert {row["name"] for row in describe_algorithms()} == expected
-    assert all(row["description"] and all(p["doc"] for p in row["parameters"].values()) for row in describe_algorithms())
+    entries = algorithm_entries()
+    assert {e["name"] for e in entries} == BUILT_IN
+    assert all(e["description"] == get_spec(e["name"]).description for e in entries)
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHM_SPECS))
+def test_the_recipe_vocabulary_is_what_the_registry_holds():
+    # the recipe's choices of aggregation and KL estimator are the registered names, no more, no fewer
+    assert sorted(typing.get_args(LossAgg)) == registry.names("loss_agg")
+    assert sorted(typing.get_args(KLConfig.model_fields["estimator"].annotation)) == registry.names("kl")
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN))
 def test_each_algorithm_runs_estimator_loss_and_aggregation_without_nan(name):
     cfg = ALGO.validate_python({"name": name, **NEEDS.get(name, {})})
     spec, gen = cfg.spec, torch.Generator().manual_seed(1)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]])
     logp_old = -torch.rand(4, 3, generator=gen, dtype=torch.float64)
+    logp_rollout = logp_old - 0.01
     batch = AdvantageBatch(torch.tensor([1.0, 0.0, 1.0, 0.0]), [0, 0, 1, 1], mask,
                            kl=torch.rand(4, 3, generator=gen, dtype=torch.float64),
                            values=torch.rand(4, 3, generator=gen, dtype=torch.float64), logp=logp_old,
                            logp_teacher=logp_old - 0.2)
     adv = registry.get_estimator(spec.advantage_estimator)(batch, **cfg.estimator_kwargs()).advantages
+    kept = mask
+    if spec.token_selection:
+        select = registry.get_token_selection(spec.token_selection)
+        kept = mask * select(logp_old, logp_rollout, mask, **cfg.selection_kwargs())
     logp = (logp_old + 0.01).requires_grad_(True)
-    out = registry.get_loss(spec.policy_loss)(logp, logp_old, adv, mask=mask, logp_rollout=logp_old - 0.01,
+    out = registry.get_loss(spec.policy_loss)(logp, logp_old, adv, mask=mask, logp_rollout=logp_rollout,
                                               **cfg.loss_kwargs())
-    loss = registry.get_loss_aggregator(cfg.loss_agg)(out.loss, mask)
+    loss = registry.get_loss_aggregator(cfg.loss_agg)(out.loss, kept)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
 
@@ -349,7 +374,7 @@ def test_each_algorithm_runs_estimator_loss_and_aggregation_without_nan(name):
         ({"name": "sapo", "eps_low": 0.2}, "Extra inputs"),
         ({"name": "gspo", "eps_low": -1.0}, "greater than 0"),
         ({"name": "m2po", "m2_threshold": 0.0}, "greater than 0"),
-        ({"name": "grpoo"}, "grpoo"),
+        ({"name": "grpoo"}, "unknown algorithm 'grpoo'; valid names: cispo, dapo"),
     ],
 )
 def test_invalid_algorithm_configs_are_rejected(recipe, message):
@@ -364,6 +389,12 @@ def test_defaults_follow_the_papers():
     assert ALGO.validate_python({"name": "gspo"}).loss_kwargs() == {"eps_low": 3e-4, "eps_high": 4e-4,
                                                                     "dual_clip_c": None}
     assert ALGO.validate_python({"name": "sapo"}).loss_kwargs() == {"tau_pos": 1.0, "tau_neg": 1.05}
+    m2po = ALGO.validate_python({"name": "m2po"})
+    assert m2po.selection_kwargs() == {"m2_threshold": 0.04} and "m2_threshold" not in m2po.loss_kwargs()
+    aggs = {name: ALGO.validate_python({"name": name}).loss_agg for name in ("dr_grpo", "gspo", "sapo", "rloo")}
+    assert aggs == {"dr_grpo": "seq-mean-token-sum-norm", "gspo": "seq-mean-token-mean",
+                    "sapo": "seq-mean-token-mean", "rloo": "token-mean"}
+    assert ALGO.validate_python({"name": "dr_grpo", "loss_agg": "token-mean"}).loss_agg == "token-mean"
     rpp = ALGO.validate_python({"name": "reinforce_pp"})
     assert rpp.uses_reference and rpp.kl_loss_coef == 0.0 and rpp.estimator_kwargs()["kl_coef"] == 0.001
     assert not ALGO.validate_python({"name": "grpo"}).uses_reference
@@ -383,9 +414,36 @@ def test_recipe_level_checks_mode_group_size_and_overlong_window():
                                                                   max_new_tokens=64)[0]
 
 
-def test_specs_and_configs_import_without_torch():
+def test_a_spec_that_contradicts_itself_is_refused():
+    with pytest.raises(ValueError, match="outcome_only excludes a token selection"):
+        AlgorithmSpec("bad", "grpo", "ppo_clip", "token-mean", "bad", outcome_only=True, token_selection="m2")
+    with pytest.raises(ValueError, match="unknown modes"):
+        AlgorithmSpec("bad", "grpo", "ppo_clip", "token-mean", "bad", modes=("async",))
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN - {"ppo"}))
+def test_fully_async_computes_outcome_only_advantages_on_the_rollout_side(name):
+    from relax_core.config.loader import load_recipe
+    from relax_core.controller.streaming import advantage_stage
+    from relax_core.rollout.types import Sample
+
+    extra = [f"algorithm.teacher.path={'teacher-model'}"] if name == "opd" else []
+    recipe = load_recipe("recipes/quickstart.yaml", ["mode=fully_async", f"algorithm.name={name}", *extra])
+    stage = advantage_stage(recipe)
+    if not get_spec(name).outcome_only:
+        assert stage is None  # the trainer computes them (log-probs, KL, whitening or a token selection)
+        return
+    rewards, groups = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0], ["a", "a", "a", "a", "b", "b"]
+    samples = [Sample([1], [2], [-1.0], reward=r, group_id=g) for r, g in zip(rewards, groups)]
+    # group a = {1, 0, 0, 1}: mean 0.5, unbiased std sqrt(1/3); group b is all equal -> 0
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    expected = {"dr_grpo": [0.5, -0.5, -0.5, 0.5, 0, 0], "rloo": [2 / 3, -2 / 3, -2 / 3, 2 / 3, 0, 0]}
+    close(torch.tensor(stage(samples)), expected.get(name, [a, -a, -a, a, 0, 0]), tol=1e-5)
+
+
+def test_specs_configs_and_listing_import_without_torch():
     code = (
-        "import sys, relax_core.algorithms.specs, relax_core.algorithms.dapo, relax_core.config.algorithms as a; "
-        "a.describe_algorithms(); assert 'torch' not in sys.modules, 'torch imported'"
+        "import sys, relax_core.config, relax_core.algorithms.specs, relax_core.algorithms.dapo, "
+        "relax_core.catalog as c; c.algorithm_entries(); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
