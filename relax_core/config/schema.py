@@ -13,15 +13,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from relax_core.config.algorithms import (  # noqa: F401  (re-exported for catalog, preflight, setup)
-    ALGORITHM_MODELS,
-    AlgorithmConfig,
-    CriticConfig,
-    GRPOConfig,
-    KLConfig,
-    PPOConfig,
-    algorithm_problems,
-)
+from relax_core.config.algorithms import AlgorithmConfig, GRPOConfig, algorithm_problems
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -52,11 +44,13 @@ class HFModel(Section):
     path: str = Field(min_length=1)
     """Hub id (e.g. `Qwen/Qwen3-4B`) or a local directory holding config.json and weights."""
     tokenizer: str | None = None
-    """Tokenizer / processor to use, if not the one stored with the model."""
+    """Tokenizer (hub id or local directory) to use instead of the model's own: prompts are encoded,
+    responses decoded and checkpoints exported with it."""
     dtype: Dtype = "bfloat16"
     """Parameter dtype for training and rollout."""
     trust_remote_code: bool = False
-    """Allow model code from the hub (needed by some omni models)."""
+    """Run the code a model or tokenizer directory ships (`auto_map` in its config) when the trainers,
+    engines and driver load it; without it such a model is refused."""
 
 
 class TinyModel(Section):
@@ -65,7 +59,7 @@ class TinyModel(Section):
     source: Literal["tiny"] = "tiny"
     """Where the model comes from: `tiny` (built from this config with random weights)."""
     architecture: Literal["qwen3"] = "qwen3"
-    """Model architecture of the random-weight model."""
+    """Model architecture of the random-weight model (one of `models/tiny.py`'s CONFIG_BUILDERS)."""
     hidden_size: int = Field(64, ge=8)
     """Hidden size."""
     num_layers: int = Field(2, ge=1)
@@ -134,11 +128,11 @@ class FileData(Section):
     reward_key: str | None = None
     """Column naming the reward of each row (mixed-task data sets); the recipe's reward otherwise."""
     image_key: str | None = None
-    """Column with images (vision-language and omni models)."""
+    """Column with images (vision-language and omni models; not available in this version: refused)."""
     audio_key: str | None = None
-    """Column with audio (omni models)."""
+    """Column with audio (omni models; not available in this version: refused)."""
     video_key: str | None = None
-    """Column with video (omni models)."""
+    """Column with video (omni models; not available in this version: refused)."""
     system_prompt: str | None = None
     """System message put before every prompt."""
     shuffle: bool = True
@@ -162,7 +156,8 @@ class RolloutConfig(Section):
     """Generation: engines, sampling, and how far rollout may run ahead of training."""
 
     engine: Literal["sglang", "cpu"] = "sglang"
-    """`sglang` on GPU nodes; `cpu` is Relax's own engine speaking SGLang's API (no GPU)."""
+    """`sglang` on GPU nodes (not available in this version: refused); `cpu` is Relax's own engine
+    speaking SGLang's API (no GPU)."""
     num_engines: int = Field(1, ge=1)
     """Number of engine servers."""
     gpus_per_engine: int = Field(1, ge=0)
@@ -191,7 +186,8 @@ class RolloutConfig(Section):
     engine). Null: when there is more than one engine; without it the rollout manager spreads prompt
     groups over the engines itself."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Extra server arguments passed to each engine (e.g. SGLang's `mem_fraction_static`)."""
+    """Extra server arguments passed to each SGLang engine (e.g. `mem_fraction_static`); the cpu engine
+    takes none, and SGLang is not available in this version, so a non-empty value is refused."""
 
     @property
     def uses_router(self) -> bool:
@@ -215,7 +211,13 @@ class TrainCommon(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     """Maximum global gradient norm."""
     steps: int = Field(100, ge=1)
-    """Training steps (one optimizer step each)."""
+    """Training steps (one rollout step each; `global_batch_size` and `ppo_epochs` set its optimizer steps)."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step, over all data-parallel ranks: a step's samples divided by it is the number
+    of optimizer steps per pass (PPO mini-batches), from the second of which on the clip ranges act. Null: all
+    the step's samples, one optimizer step (on-policy, ratio 1)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over a step's samples, each taking the step's optimizer steps again."""
     micro_batch_size: int = Field(8, ge=1)
     """Samples per forward/backward pass on one rank."""
     seed: int = Field(0, ge=0)
@@ -234,7 +236,9 @@ class TorchTrainConfig(TrainCommon):
 
 
 class MegatronTrainConfig(TrainCommon):
-    """The Megatron-core backend (large models; tensor/pipeline/context/expert parallel)."""
+    """The Megatron-core backend (large models; tensor/pipeline/context/expert parallel).
+
+    Not available in this version: a recipe using it is refused (launch/preflight.py)."""
 
     backend: Literal["megatron"] = "megatron"
     """Training backend: `megatron`."""
@@ -280,6 +284,11 @@ class RewardConfig(Section):
     """Time limit of one reward call; a call past it scores 0."""
     num_workers: int = Field(0, ge=0)
     """Worker processes for synchronous rewards; 0: one per CPU core, at most 16."""
+    max_error_frac: float = Field(0.5, ge=0.0, le=1.0)
+    """The run stops when more than this fraction of `error_window` samples, among the last
+    `error_window`, failed (reward errors plus time-outs); 1.0 never stops it."""
+    error_window: int = Field(256, ge=1)
+    """Samples over which `max_error_frac` is counted."""
 
 
 # ------------------------------------------------------------------- cluster
@@ -497,7 +506,24 @@ def _train_problems(r: Recipe) -> list[str]:
             f"{r.rollout.n_samples_per_prompt} samples = {r.samples_per_step} samples per step cannot be "
             f"split evenly over {r.data_parallel} data-parallel ranks"
         )
-    return problems
+    return problems or _batch_problems(r)
+
+
+def _batch_problems(r: Recipe) -> list[str]:
+    """`train.global_batch_size` cuts each step into whole optimizer steps, each split evenly over the ranks."""
+    size, samples, dp = r.train.global_batch_size, r.samples_per_step, r.data_parallel
+    if size is None:
+        return []
+    if samples % size:
+        return [f"train.global_batch_size: {r.rollout.prompts_per_step} prompts x {r.rollout.n_samples_per_prompt} "
+                f"samples = {samples} samples per step is not a multiple of {size} samples per optimizer step"]
+    if size % dp:
+        return [f"train.global_batch_size: {size} samples per optimizer step cannot be split evenly over "
+                f"{dp} data-parallel ranks"]
+    if r.train.micro_batch_size > size // dp:
+        return [f"train.micro_batch_size: {r.train.micro_batch_size} is more than the {size} // {dp} = {size // dp} "
+                f"samples each data-parallel rank has per optimizer step (train.global_batch_size / ranks)"]
+    return []
 
 
 def _algorithm_problems(r: Recipe) -> list[str]:

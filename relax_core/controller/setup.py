@@ -3,33 +3,74 @@
 Maps recipe sections onto the configs of the components (trainer, sampling)
 and materialises the model directory every process loads. Kept apart from
 the loop so the loop reads like pseudocode.
+
+That directory is the one place the model and its tokenizer are chosen: with
+`model.tokenizer` it is `<run>/model`, the model's files linked in and the
+named tokenizer saved in place of the model's own, so the driver, the
+engines, the router and the checkpoint's HF copy all load the same tokenizer.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from relax_core.config.schema import HFModel, Recipe, TinyModel
 from relax_core.launch.rundir import RunDir
 
+# Files of a model directory that belong to its tokenizer; `model.tokenizer` replaces all of them.
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
+    "merges.txt",
+})
+
+
+def trust_remote_code(recipe: Recipe) -> bool:
+    """`model.trust_remote_code`: every HF model, config and tokenizer the run loads may run their own code."""
+    return isinstance(recipe.model, HFModel) and recipe.model.trust_remote_code
+
 
 def prepare_model_dir(recipe: Recipe, run: RunDir) -> Path:
     """The HF model directory trainers and engines load (built, local, or fetched once)."""
     model = recipe.model
+    target = run.path / "model"
     if isinstance(model, TinyModel):
         from transformers.utils import logging as hf_logging
 
         from relax_core.models.tiny import materialize_tiny_model
 
         hf_logging.disable_progress_bar()
-        target = run.path / "model"
         if not (target / "config.json").exists():
-            materialize_tiny_model(target, seed=model.seed, alphabet=model.alphabet, hidden_size=model.hidden_size,
+            materialize_tiny_model(target, architecture=model.architecture, seed=model.seed,
+                                   alphabet=model.alphabet, hidden_size=model.hidden_size,
                                    num_layers=model.num_layers, num_heads=model.num_heads,
                                    num_kv_heads=model.num_kv_heads)
         return target
     assert isinstance(model, HFModel)
-    return resolve_model_path(model.path)
+    source = resolve_model_path(model.path)
+    if model.tokenizer is None:
+        return source
+    return with_tokenizer(source, model.tokenizer, target, trust_remote_code=model.trust_remote_code)
+
+
+def with_tokenizer(model_dir: Path, tokenizer: str, target: Path, *, trust_remote_code: bool) -> Path:
+    """`target`: `model_dir`'s files linked in, its tokenizer files replaced by `tokenizer`'s (rebuilt each
+    start, so it follows the recipe; staged, then renamed, so it is never half written)."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tokenizer, trust_remote_code=trust_remote_code)
+    staging = target.with_name(f".{target.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for entry in model_dir.iterdir():
+        if entry.name not in TOKENIZER_FILES:
+            os.symlink(entry.resolve(), staging / entry.name)
+    loaded.save_pretrained(staging)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(staging, target)
+    return target
 
 
 def resolve_model_path(path: str) -> Path:
@@ -47,16 +88,18 @@ def trainer_config(recipe: Recipe):
     from relax_core.train.config import TorchTrainerConfig
 
     train, algo = recipe.train, recipe.algorithm
-    spec = algo.spec
     return TorchTrainerConfig(
         lr=train.lr, weight_decay=train.weight_decay, betas=tuple(train.adam_betas), grad_clip=train.grad_clip,
         lr_schedule=train.lr_schedule, warmup_steps=train.warmup_steps, total_steps=train.steps,
         min_lr_ratio=train.min_lr / train.lr, micro_batch_size=train.micro_batch_size,
-        advantage_estimator=spec.advantage_estimator, estimator_kwargs=algo.estimator_kwargs(),
-        policy_loss=spec.policy_loss, loss_kwargs=algo.loss_kwargs(), loss_agg=algo.loss_agg,
+        num_mini_batches=recipe.samples_per_step // (train.global_batch_size or recipe.samples_per_step),
+        num_epochs=train.ppo_epochs,
+        algorithm=algo.name, estimator_kwargs=algo.estimator_kwargs(), loss_kwargs=algo.loss_kwargs(),
+        selection_kwargs=algo.selection_kwargs(), loss_agg=algo.loss_agg,
         norm_len=algo.norm_len or recipe.rollout.max_new_tokens,
         use_kl_loss=algo.kl_loss_coef > 0, kl_coef=algo.kl_loss_coef, use_reference=algo.uses_reference,
-        kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed, dtype=recipe.model.dtype,
+        kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed,
+        dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe),
         **_teacher(algo), **_critic(algo),
     )
 

@@ -27,21 +27,21 @@ class TorchTrainerConfig:
         total_steps: train steps over which cosine/linear decay runs.
         min_lr_ratio: the decayed lr floor, as a fraction of `lr`.
         micro_batch_size: samples per forward/backward (gradient accumulation unit).
-        num_mini_batches: optimizer steps per train step (the batch is split
-            into this many mini-batches); 1 = fully on-policy.
-        num_epochs: passes over the batch per train step (PPO epochs).
-        advantage_estimator: name under registry kind "estimator" ("grpo",
-            "rloo", "reinforce_pp", "gae", "opd", ...): the spec's estimator.
-        estimator_kwargs: its keyword arguments (`AlgorithmConfig.estimator_kwargs()`);
+        num_mini_batches: optimizer steps per pass over a train step's samples
+            (each rank's shard is split into this many contiguous mini-batches);
+            the recipe's samples per step // `train.global_batch_size`.
+            1 (with `num_epochs` 1) = one update, where the ratio pi/pi_old is 1
+            and no clip acts.
+        num_epochs: passes over the step's samples (`train.ppo_epochs`).
+        algorithm: the recipe's `algorithm.name`; its spec (algorithms/specs.py)
+            says which estimator, policy loss and token selection to use.
+        estimator_kwargs: the estimator's keyword arguments (`AlgorithmConfig.estimator_kwargs()`);
             a `kl_coef` > 0 puts the KL to the reference into the token rewards.
-        policy_loss: name under registry kind "loss" ("ppo_clip", "gspo",
-            "cispo", "sapo", "m2po").
-        loss_kwargs: its keyword arguments (`AlgorithmConfig.loss_kwargs()`);
-            None = `eps_low`, `eps_high`, `dual_clip_c` below (the clipped losses).
-        eps_low / eps_high: PPO clip range `[1-eps_low, 1+eps_high]` (DAPO clip-higher: 0.2 / 0.28).
-        dual_clip_c: dual-clip constant for negative advantages; None disables.
+        loss_kwargs: the policy loss's keyword arguments (`AlgorithmConfig.loss_kwargs()`);
+            empty = the loss function's own defaults.
+        selection_kwargs: the token selection's (`AlgorithmConfig.selection_kwargs()`).
         loss_agg: "token-mean", "seq-mean-token-sum", "seq-mean-token-mean"
-            or "seq-mean-token-sum-norm".
+            or "seq-mean-token-sum-norm"; None = the spec's.
         norm_len: constant length for "seq-mean-token-sum-norm"; None = the
             longest response of the step.
         use_kl_loss: add `kl_coef * agg(kl)` against a frozen reference model.
@@ -61,6 +61,8 @@ class TorchTrainerConfig:
         seed: torch seed set when the trainer is built.
         dtype: parameter dtype, "float32" or "bfloat16" (log-softmax is always float32).
         device: torch device string ("cpu" here; "cuda" on a GPU node).
+        trust_remote_code: let the policy, reference, teacher and critic models
+            run the code their HF directories ship (`model.trust_remote_code`).
         num_threads: if set, `torch.set_num_threads` for this process. On a
             shared CPU use 1: tiny models gain nothing from intra-op threads,
             and spinning threads slow down badly (10x seen) when another
@@ -79,14 +81,11 @@ class TorchTrainerConfig:
     micro_batch_size: int = 8
     num_mini_batches: int = 1
     num_epochs: int = 1
-    advantage_estimator: str = "grpo"
+    algorithm: str = "grpo"
     estimator_kwargs: dict[str, Any] = field(default_factory=dict)
-    policy_loss: str = "ppo_clip"
-    loss_kwargs: dict[str, Any] | None = None
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip_c: float | None = 3.0
-    loss_agg: str = "token-mean"
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    selection_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss_agg: str | None = None
     norm_len: int | None = None
     use_kl_loss: bool = False
     use_reference: bool = False
@@ -102,4 +101,5 @@ class TorchTrainerConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    trust_remote_code: bool = False
     num_threads: int | None = None

@@ -28,7 +28,7 @@ from relax_core.train.optim import build_optimizer
 class ValueModel(torch.nn.Module):
     """HF base model (no LM head) + `Linear(hidden, 1)`; the head starts at 0, so V = 0 before training."""
 
-    def __init__(self, path: str | Path, dtype: str) -> None:
+    def __init__(self, path: str | Path, dtype: str, trust_remote_code: bool = False) -> None:
         super().__init__()
         from transformers import AutoModel
         from transformers.utils import logging as hf_logging
@@ -36,7 +36,8 @@ class ValueModel(torch.nn.Module):
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # the causal LM's lm_head is expectedly unused: no load report
         try:
-            self.body = AutoModel.from_pretrained(str(path), dtype=getattr(torch, dtype))
+            self.body = AutoModel.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                  trust_remote_code=trust_remote_code)
         finally:
             hf_logging.set_verbosity(level)
         self.head = torch.nn.Linear(self.body.config.hidden_size, 1, dtype=getattr(torch, dtype))
@@ -60,11 +61,13 @@ class Critic:
         value_clip: eps_v of the clipped value loss.
         dtype / device: as the policy's.
         weight_decay / betas / adam_eps: AdamW settings (the policy's).
+        trust_remote_code: let the model directory's own code run (`model.trust_remote_code`).
     """
 
     def __init__(self, path: str | Path, *, lr: float, value_clip: float, dtype: str, device: str,
-                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8):
-        self.model = ValueModel(path, dtype).to(device).eval()  # eval: no dropout, as the policy
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 trust_remote_code: bool = False):
+        self.model = ValueModel(path, dtype, trust_remote_code).to(device).eval()  # eval: no dropout, as the policy
         self.value_clip = value_clip
         self.optimizer = build_optimizer(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                          betas=tuple(betas), eps=adam_eps)

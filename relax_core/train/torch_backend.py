@@ -8,6 +8,17 @@ accumulates the algorithm's policy loss over micro-batches, all-reduces the grad
 process group (gloo here) and takes an AdamW step. Weight sync reads
 `named_parameters_for_sync`, checkpointing `state_dict`/`load_state_dict`.
 
+A step may take several optimizer steps (`num_mini_batches` x
+`num_epochs`, the recipe's `train.global_batch_size` and `train.ppo_epochs`):
+each rank splits its shard into `num_mini_batches` contiguous mini-batches,
+so optimizer step k sees the k-th mini-batch of every rank. The old
+log-probs (and the critic's old values) are computed once, with the step's
+initial weights, before the first update; from the second update on the
+ratio pi/pi_old leaves 1 and the clip ranges act. A step with fewer samples
+than the recipe's (DAPO dynamic sampling that ran out of rounds) keeps the
+number of optimizer steps and makes each mini-batch smaller; a mini-batch
+that is empty on every rank is skipped.
+
 With a critic (PPO, critic.py) the step also reads its values before the
 update (they feed GAE) and takes one critic optimizer step per mini-batch
 after the policy's; a teacher (on-policy distillation) adds its log-probs.
@@ -20,15 +31,18 @@ the batch was split (see algorithms/aggregation.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from relax_core.algorithms import registry
 from relax_core.algorithms.losses import tis_weight
+from relax_core.algorithms.specs import get_spec
 from relax_core.rollout.types import Sample
 from relax_core.train.batching import (
     MicroBatch,
@@ -39,11 +53,11 @@ from relax_core.train.batching import (
 )
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.critic import Critic
-from relax_core.train.step_advantages import StepResult, StepRows, pad_rows, step_advantages
 from relax_core.train.optim import build_optimizer, build_scheduler
+from relax_core.train.step_advantages import StepResult, StepRows, pad_rows, step_advantages
 
 # Order of the per-update metric sums that are all-reduced in one tensor.
-_SUMS = ("pg_loss", "kl_loss", "clipped", "entropy", "kl", "tis", "tokens")
+_SUMS = ("pg_loss", "kl_loss", "clipped", "entropy", "kl", "tis", "ratio", "tokens")
 
 
 @dataclass
@@ -72,11 +86,41 @@ class _Mini:
     norm_len: float
 
 
-def load_causal_lm(path: str | Path, dtype: str, device: str) -> torch.nn.Module:
+@dataclass
+class _Totals:
+    """What a step's updates add up to: policy metric sums, grad norms, the ratio's range, critic sums."""
+
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(_SUMS), dtype=torch.float64))
+    extremes: torch.Tensor = field(  # [-min, max] of the ratio over masked tokens (one MAX all-reduce)
+        default_factory=lambda: torch.full((2,), -math.inf, dtype=torch.float64))
+    grad_norms: list[float] = field(default_factory=list)
+    critic: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # loss, clipped, tokens
+    critic_updates: int = 0
+
+    def add_policy(self, sums: torch.Tensor, extremes: torch.Tensor, grad_norm: float) -> None:
+        self.sums += sums
+        torch.maximum(self.extremes, extremes, out=self.extremes)
+        self.grad_norms.append(grad_norm)
+
+    def add_critic(self, sums: torch.Tensor) -> None:
+        self.critic += sums
+        self.critic_updates += 1
+
+
+def _ratio_extremes(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`[-min, max]` of the ratio over the masked tokens (-inf, -inf when there are none)."""
+    picked = ratio.detach()[mask.bool()].to(torch.float64)
+    if picked.numel() == 0:
+        return torch.full((2,), -math.inf, dtype=torch.float64)
+    return torch.stack([-picked.min(), picked.max()])
+
+
+def load_causal_lm(path: str | Path, dtype: str, device: str, trust_remote_code: bool = False) -> torch.nn.Module:
     """Load an HF causal LM in eval mode (dropout off: log-probs must match the engine's)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
+                                                 trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 
 
@@ -107,22 +151,23 @@ class TorchTrainer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.group = process_group
-        self.model = load_causal_lm(model_path, cfg.dtype, cfg.device)
+        self.model = load_causal_lm(model_path, cfg.dtype, cfg.device, cfg.trust_remote_code)
         self.ref_model = None
         if cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward:
             self.ref_model = load_causal_lm(
-                ref_model_path or model_path, cfg.dtype, cfg.device
+                ref_model_path or model_path, cfg.dtype, cfg.device, cfg.trust_remote_code
             )
             self.ref_model.requires_grad_(False)
         self.teacher = None
         if cfg.teacher_path:
-            self.teacher = load_causal_lm(cfg.teacher_path, cfg.teacher_dtype, cfg.device)
+            self.teacher = load_causal_lm(cfg.teacher_path, cfg.teacher_dtype, cfg.device, cfg.trust_remote_code)
             self.teacher.requires_grad_(False)
         self.critic = None
         if cfg.critic_lr is not None:
             self.critic = Critic(cfg.critic_path or model_path, lr=cfg.critic_lr, value_clip=cfg.critic_value_clip,
                                  dtype=cfg.dtype, device=cfg.device, weight_decay=cfg.weight_decay,
-                                 betas=tuple(cfg.betas), adam_eps=cfg.adam_eps)
+                                 betas=tuple(cfg.betas), adam_eps=cfg.adam_eps,
+                                 trust_remote_code=cfg.trust_remote_code)
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = build_optimizer(
             self.model.parameters(),
@@ -139,13 +184,15 @@ class TorchTrainer:
             min_lr_ratio=cfg.min_lr_ratio,
         )
         self.step = 0
-        self._estimator = registry.get_estimator(cfg.advantage_estimator)
-        self._policy_loss = registry.get_loss(cfg.policy_loss)
-        self._loss_kwargs = dict(cfg.loss_kwargs) if cfg.loss_kwargs is not None else {
-            "eps_low": cfg.eps_low, "eps_high": cfg.eps_high, "dual_clip_c": cfg.dual_clip_c}
-        # M2PO selects its tokens over the whole step, not per micro-batch.
-        self._m2_threshold = self._loss_kwargs.pop("m2_threshold", 0.04) if cfg.policy_loss == "m2po" else None
-        self._agg = registry.get_loss_aggregator(cfg.loss_agg)
+        self.spec = spec = get_spec(cfg.algorithm)
+        self._estimator = registry.get_estimator(spec.advantage_estimator)
+        self._policy_loss = registry.get_loss(spec.policy_loss)
+        # A token selection (M2PO) runs over the whole step, not per micro-batch.
+        self._select = None
+        if spec.token_selection:
+            self._select = functools.partial(registry.get_token_selection(spec.token_selection),
+                                             **cfg.selection_kwargs)
+        self._agg = registry.get_loss_aggregator(cfg.loss_agg or spec.loss_agg)
         self._kl_fn = registry.get_kl_estimator(cfg.kl_estimator)
 
     # ----------------------------------------------------------- distributed
@@ -200,36 +247,42 @@ class TorchTrainer:
 
         Returns:
             Metrics, equal on all ranks: loss, pg_loss, kl_loss, kl, clipfrac,
-            entropy, tis_weight (if TIS), grad_norm, lr, num_tokens,
-            num_samples, reward_mean. Token-level ones are token-means over
+            ratio_mean/min/max (pi/pi_old over the learned tokens; min/max
+            absent when none were learned), entropy, tis_weight (if TIS),
+            grad_norm, lr, optimizer_steps, num_tokens, num_samples,
+            reward_mean. Token-level ones are token-means over all updates of
             the step; losses and grad_norm are means over its optimizer steps.
         """
         cfg = self.config
-        bounds = shard_bounds(len(samples), cfg.num_mini_batches)
-        micro_lists = [self._prepare(samples[a:b]) for a, b in zip(bounds, bounds[1:])]
-        step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
-        minis = [self._normalisers(ms, samples[a:b]) for ms, (a, b) in zip(micro_lists, zip(bounds, bounds[1:]))]
+        minis, step_info = self._minis(samples, advantages)
         lr = self.scheduler.get_last_lr()[0]
-        totals = torch.zeros(len(_SUMS), dtype=torch.float64)
-        critic_totals = torch.zeros(3, dtype=torch.float64)  # value loss, clipped tokens, tokens
-        grad_norms = []
+        totals = _Totals()
         train_policy = self.critic is None or self.step >= cfg.critic_warmup_steps
         for _ in range(cfg.num_epochs):
             for mini in minis:
                 if train_policy:
-                    sums, grad_norm = self._update(mini)
-                    totals += sums
-                    grad_norms.append(grad_norm)
+                    totals.add_policy(*self._update(mini))
                 if self.critic is not None:
-                    critic_totals += self._critic_update(mini)
+                    totals.add_critic(self._critic_update(mini))
+        self._all_reduce(totals.extremes, dist.ReduceOp.MAX)
         self.scheduler.step()
         self.step += 1
-        metrics = self._metrics(totals, max(len(grad_norms), 1), grad_norms or [0.0], lr, step_info)
-        if self.critic is not None:
-            updates = len(minis) * cfg.num_epochs
-            metrics.update(value_loss=float(critic_totals[0]) / updates,
-                           vf_clipfrac=float(critic_totals[1]) / max(float(critic_totals[2]), 1.0))
-        return metrics
+        return self._metrics(totals, lr, step_info)
+
+    def _minis(self, samples: Sequence[Sample], advantages: Sequence[float] | None) -> tuple[list[_Mini], dict]:
+        """This rank's shard cut into `num_mini_batches` mini-batches, all prepared before any update.
+
+        logp_old, logp_ref and the critic's values of every mini-batch are
+        computed here, with the step's initial weights. Mini-batches empty on
+        every rank (a step with fewer samples than mini-batches) are dropped
+        on all ranks alike: their normalisers are all-reduced.
+        """
+        bounds = shard_bounds(len(samples), self.config.num_mini_batches)
+        parts = [samples[a:b] for a, b in zip(bounds, bounds[1:])]
+        micro_lists = [self._prepare(part) for part in parts]
+        step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
+        minis = [self._normalisers(ms, part) for ms, part in zip(micro_lists, parts)]
+        return [mini for mini in minis if mini.seqs > 0], step_info
 
     @property
     def _kl_in_reward(self) -> bool:
@@ -238,14 +291,13 @@ class TorchTrainer:
     @property
     def _needs_logp_old(self) -> bool:
         """The estimator or the token selection reads logp_old before the update."""
-        return (self.config.advantage_estimator == "opd" or self._kl_in_reward
-                or self._m2_threshold is not None)
+        return self.spec.needs_logp_old or self._kl_in_reward or self._select is not None
 
     def _step_rows(self, samples: Sequence[Sample], micros: list[_Micro]) -> StepRows:
         """This rank's inputs of the step's estimator, as per-sample lists."""
         rows = StepRows([s.reward for s in samples], [s.group_id for s in samples], {"mask": []})
         wanted = {"kl": self._kl_in_reward, "logp": self._needs_logp_old,
-                  "logp_rollout": self._m2_threshold is not None, "logp_teacher": self.teacher is not None,
+                  "logp_rollout": self._select is not None, "logp_teacher": self.teacher is not None,
                   "values": self.critic is not None}
         rows.tokens.update({key: [] for key, on in wanted.items() if on})
         for micro in micros:
@@ -279,12 +331,11 @@ class TorchTrainer:
                 raise ValueError(f"got {len(given)} advantages for {len(samples)} samples")
             result = StepResult([[float(a)] * len(m) for a, m in zip(given, local.tokens["mask"])])
         else:
-            result = step_advantages(self._estimator, self.config.estimator_kwargs, step,
-                                     m2_threshold=self._m2_threshold)
+            result = step_advantages(self._estimator, self.config.estimator_kwargs, step, select=self._select)
             offset = sum(len(part.rewards) for part in gathered[: self.rank])
             result = result.rows(offset, offset + len(samples))
         if self.critic is not None and result.returns is None:
-            raise ValueError(f"the critic needs returns; estimator {self.config.advantage_estimator} gives none")
+            raise ValueError(f"the critic needs returns; estimator {self.spec.advantage_estimator} gives none")
         start, device = 0, self.config.device
         for micro in micros:
             n, width = micro.mb.loss_mask.shape
@@ -331,33 +382,38 @@ class TorchTrainer:
         norm_len = float(cfg.norm_len) if cfg.norm_len else float(max_len)
         return _Mini(micros, float(counts[0]), float(counts[1]), norm_len)
 
-    def _update(self, mini: _Mini) -> tuple[torch.Tensor, float]:
-        """Accumulate gradients over the micro-batches, all-reduce, clip, step."""
+    def _update(self, mini: _Mini) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Accumulate gradients over the micro-batches, all-reduce, clip, step.
+
+        Returns the all-reduced metric sums, this rank's ratio extremes
+        `[-min, max]` and the gradient norm before clipping.
+        """
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        extremes = torch.full((2,), -math.inf, dtype=torch.float64)
         for micro in mini.micros:
-            loss, parts = self._micro_loss(micro, mini)
+            loss, parts, micro_extremes = self._micro_loss(micro, mini)
             loss.backward()
             sums += parts
+            torch.maximum(extremes, micro_extremes, out=extremes)
         self._all_reduce_grads()
         self._all_reduce(sums)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
-        return sums, grad_norm
+        return sums, extremes, grad_norm
 
     def _micro_loss(
         self, micro: _Micro, mini: _Mini
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This micro-batch's contribution to the mini-batch loss, and its metric sums."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This micro-batch's contribution to the mini-batch loss, its metric sums and ratio extremes."""
         cfg, mb = self.config, micro.mb
         logp, entropy = forward_logprobs(self.model, mb, with_entropy=True)
         logp_old = logp.detach() if micro.logp_old is None else micro.logp_old
         mask = mb.loss_mask if micro.keep is None else mb.loss_mask * micro.keep
-        extra = {"keep_mask": micro.keep} if micro.keep is not None else {}
         out = self._policy_loss(logp, logp_old, micro.advantages, mask=mb.loss_mask,
-                                logp_rollout=mb.rollout_logprobs, **self._loss_kwargs, **extra)
+                                logp_rollout=mb.rollout_logprobs, **self.config.loss_kwargs)
         per_token = out.loss
         weight = None
         if cfg.tis_cap is not None:
@@ -375,22 +431,26 @@ class TorchTrainer:
             kl_loss = self._agg(kl, mask, **norms)
             loss = loss + cfg.kl_coef * kl_loss
             kl_sum = float((kl.detach() * mask).sum())
-        return loss, self._metric_sums(
-            pg_loss, kl_loss, kl_sum, out.clipped, entropy, weight, mask
-        )
+        sums = self._metric_sums(pg_loss, kl_loss, kl_sum, out, entropy, weight, mask)
+        return loss, sums, _ratio_extremes(out.ratio, mask)
 
     @staticmethod
     def _metric_sums(
-        pg_loss, kl_loss, kl_sum, clipped, entropy, weight, mask
+        pg_loss, kl_loss, kl_sum, out, entropy, weight, mask
     ) -> torch.Tensor:
-        """The micro-batch's entries of `_SUMS` (token sums for the token-mean diagnostics)."""
+        """The micro-batch's entries of `_SUMS` (token sums for the token-mean diagnostics).
+
+        `out` is the policy loss's output: `clipped` marks the tokens where
+        the clip (or dual clip, or M2PO's drop) is active, `ratio` the ratio
+        the loss clips (GSPO: its sequence ratio, on every token of the row).
+        """
         tis_sum = float((weight * mask).sum()) if weight is not None else 0.0
         values = [
             float(pg_loss.detach()),
             float(kl_loss.detach()),
-            float((clipped * mask).sum()),
+            float((out.clipped * mask).sum()),
         ]
-        values += [float((entropy * mask).sum()), kl_sum, tis_sum, float(mask.sum())]
+        values += [float((entropy * mask).sum()), kl_sum, tis_sum, float((out.ratio * mask).sum()), float(mask.sum())]
         return torch.tensor(values, dtype=torch.float64)
 
     def _critic_update(self, mini: _Mini) -> torch.Tensor:
@@ -424,31 +484,31 @@ class TorchTrainer:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
-    def _metrics(
-        self,
-        totals: torch.Tensor,
-        updates: int,
-        grad_norms: list[float],
-        lr: float,
-        info: dict,
-    ) -> dict:
-        s = dict(zip(_SUMS, totals.tolist()))
-        tokens = max(s["tokens"], 1.0)
+    def _metrics(self, totals: _Totals, lr: float, info: dict) -> dict:
+        s = dict(zip(_SUMS, totals.sums.tolist()))
+        tokens, updates = max(s["tokens"], 1.0), max(len(totals.grad_norms), 1)
         metrics = {
             "loss": (s["pg_loss"] + self.config.kl_coef * s["kl_loss"]) / updates,
             "pg_loss": s["pg_loss"] / updates,
             "clipfrac": s["clipped"] / tokens,
+            "ratio_mean": s["ratio"] / tokens if s["tokens"] else 1.0,
             "entropy": s["entropy"] / tokens,
-            "grad_norm": sum(grad_norms) / len(grad_norms),
+            "grad_norm": sum(totals.grad_norms) / updates,
             "lr": lr,
-            "num_tokens": s["tokens"]
-            / self.config.num_epochs,  # learned tokens in the step
+            "optimizer_steps": float(len(totals.grad_norms)),
+            "num_tokens": s["tokens"] / self.config.num_epochs,  # learned tokens in the step
             **info,
         }
+        if s["tokens"]:
+            metrics.update(ratio_min=-float(totals.extremes[0]), ratio_max=float(totals.extremes[1]))
         if self.config.use_kl_loss:
             metrics.update(kl_loss=s["kl_loss"] / updates, kl=s["kl"] / tokens)
         if self.config.tis_cap is not None:
             metrics["tis_weight"] = s["tis"] / tokens
+        if self.critic is not None:
+            critic = totals.critic.tolist()
+            metrics.update(value_loss=critic[0] / max(totals.critic_updates, 1),
+                           vf_clipfrac=critic[1] / max(critic[2], 1.0))
         return metrics
 
     # --------------------------------------------------- sync and checkpoint
