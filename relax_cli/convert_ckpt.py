@@ -15,6 +15,8 @@ def convert_ckpt(
     iteration: int = typer.Option(None, "--iteration", help="Iteration to convert (default: the latest)."),
     verify: bool = typer.Option(False, "--verify", help="Compare the converted model's logits with the checkpoint's."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
+                                           help="With --verify: let a model that ships its own code run it."),
     slurm: bool = typer.Option(False, "--slurm", help="Run the conversion as a one-node Slurm job (submitit) and wait."),
     partition: str = typer.Option(None, "--partition", help="With --slurm: partition."),
     account: str = typer.Option(None, "--account", help="With --slurm: account."),
@@ -33,9 +35,11 @@ def convert_ckpt(
         report = run_on_slurm(convert, ckpt.resolve(), out_dir.expanduser().resolve(), folder=folder,
                               job_name="relax-convert-ckpt", partition=partition, account=account,
                               time_min=time_min, cpus=cpus, mem_gb=mem_gb, echo=lambda m: out.print(m, markup=False),
-                              iteration=iteration, verify=verify, overwrite=overwrite)
+                              iteration=iteration, verify=verify, overwrite=overwrite,
+                              trust_remote_code=trust_remote_code)
     else:
-        report = convert(ckpt, out_dir, iteration=iteration, verify=verify, overwrite=overwrite)
+        report = convert(ckpt, out_dir, iteration=iteration, verify=verify, overwrite=overwrite,
+                         trust_remote_code=trust_remote_code)
     out.print(f"wrote {report['out_dir']} (iteration {report['iteration']})", markup=False)
     if verify:
         out.print(f"[green]verified[/]: max |logit difference| {report['max_abs_diff']:.3g} "

@@ -10,7 +10,7 @@ from relax_cli.common import out
 
 
 def doctor(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a report.")) -> None:
-    """Report Python, torch/CUDA, Ray, SGLang, Megatron, Slurm and Apptainer on this machine."""
+    """Report Python, torch/CUDA, Ray, Slurm and Apptainer on this machine, and the backends not built yet."""
     from relax_core.doctor import diagnose
 
     report = diagnose()
@@ -24,3 +24,6 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print JSON instea
     for name, verdict in report["executors"].items():
         status = "[green]ready[/]" if not verdict["missing"] else f"[red]missing[/] {', '.join(verdict['missing'])}"
         out.print(f"{name:<22} {status}")
+    out.print()
+    for name, detail in report["not_available"].items():
+        out.print(f"[yellow]not yet[/] {name:<24} {detail}")

@@ -17,12 +17,15 @@ def validate(
 
     Paths and names the recipe refers to that this machine cannot see (a data
     file on the cluster's file system, say) are warnings here; `relax submit`
-    treats them as errors.
+    treats them as errors. What this version of Relax cannot run anywhere (a
+    backend not built yet) is an error here too, as in `relax submit`.
     """
     from relax_core.config import dump_recipe, load_recipe
     from relax_core.config.checks import reference_problems
+    from relax_core.launch.preflight import refuse_unavailable
 
     resolved = load_recipe(recipe, overrides or [])
+    refuse_unavailable(resolved, recipe)
     out.print(dump_recipe(resolved), end="", markup=False)
     for problem in reference_problems(resolved):
         err.print(f"[yellow]warning[/]: {problem}")

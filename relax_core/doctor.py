@@ -1,7 +1,9 @@
 """Inspect this machine for `relax doctor`: packages, devices, schedulers, containers.
 
 Package versions come from installed metadata (no import); only the CUDA
-check imports torch, and only when torch is installed.
+check imports torch, and only when torch is installed. Backends this version
+of Relax has no code for are reported as such, whatever is installed: no
+package makes them work.
 """
 
 from __future__ import annotations
@@ -17,18 +19,21 @@ PACKAGES = {
     "ray": "ray",
     "transformers": "transformers",
     "transferqueue": "transferqueue",
-    "sglang": "sglang",
-    "megatron": "megatron-core",
-    "megatron-bridge": "megatron-bridge",
 }
 COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "apptainer", "nvidia-smi")
 
 # What each way of running needs, by check name.
 EXECUTORS = {
     "local (CPU)": ("torch", "ray", "transformers"),
-    "local (GPU)": ("torch", "ray", "transformers", "cuda", "sglang", "megatron"),
     "slurm": ("sbatch", "srun", "squeue", "scontrol"),
     "slurm + container": ("sbatch", "srun", "squeue", "scontrol", "apptainer"),
+}
+# Backends a recipe can name that have no code in this version (launch/preflight.py refuses them).
+NOT_AVAILABLE = {
+    "sglang engine": "rollout.engine: sglang",
+    "megatron trainer": "train.backend: megatron",
+    "GPU training and rollout": "cluster.*.gpus_per_node > 0",
+    "multimodal data": "data.image_key / audio_key / video_key",
 }
 
 
@@ -41,7 +46,9 @@ def diagnose() -> dict[str, Any]:
     executors = {
         name: {"missing": [need for need in needs if need not in found]} for name, needs in EXECUTORS.items()
     }
-    return {"checks": checks, "executors": executors}
+    backends = {name: f"not available in this version of Relax, whatever is installed ({field} is refused)"
+                for name, field in NOT_AVAILABLE.items()}
+    return {"checks": checks, "executors": executors, "not_available": backends}
 
 
 def _package(name: str, dist: str) -> dict[str, Any]:

@@ -28,7 +28,8 @@ def check_source(ckpt: str | Path, iteration: int | None) -> None:
 
 
 def convert(ckpt: str | Path, out_dir: str | Path, *, iteration: int | None = None, verify: bool = False,
-            overwrite: bool = False) -> dict[str, Any]:
+            overwrite: bool = False, trust_remote_code: bool = False) -> dict[str, Any]:
+    """`trust_remote_code`: verifying may run the code the model ships (its checkpoint's `hf_config/` copy)."""
     from relax_core.checkpoint.hf_export import export_hf
 
     root = checkpoint_root(ckpt)
@@ -37,7 +38,7 @@ def convert(ckpt: str | Path, out_dir: str | Path, *, iteration: int | None = No
     if verify:
         from relax_core.checkpoint.hf_verify import verify_export
 
-        report |= verify_export(root, written, iteration)
+        report |= verify_export(root, written, iteration, trust_remote_code=trust_remote_code)
     if report["iteration"] is None:
         from relax_core.checkpoint.layout import read_tracker
 

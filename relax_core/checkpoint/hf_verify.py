@@ -36,8 +36,11 @@ def verify_export(
     batch_size: int = 2,
     seq_len: int = 16,
     seed: int = 0,
+    trust_remote_code: bool = False,
 ) -> dict[str, Any]:
     """Compare logits of the checkpoint's model and the exported model.
+
+    `trust_remote_code`: load a model that ships its own code (`auto_map`), as the run did.
 
     Returns:
         {"iteration", "max_abs_diff", "atol", "tokens": [batch, seq],
@@ -49,8 +52,11 @@ def verify_export(
     """
     # A checkpoint saved without hf_dir was exported with an explicit config dir: use the export's copy.
     section = ModelSection(ckpt_dir, iteration, fallback_config_dir=out_dir)
-    reference = _model_from_checkpoint(section)
-    exported = _load_exported(Path(out_dir))
+    if "auto_map" in section.config and not trust_remote_code:
+        raise CheckpointError(f"{section.config_dir / 'config.json'}: the model ships its own code (auto_map); "
+                              "verifying it runs that code: pass --trust-remote-code if you trust it")
+    reference = _model_from_checkpoint(section, trust_remote_code)
+    exported = _load_exported(Path(out_dir), trust_remote_code)
     ids = _fixed_batch(reference.config.vocab_size, batch_size, seq_len, seed)
     diff = _max_logit_diff(reference, exported, ids)
     if not diff <= atol:  # also catches NaN
@@ -61,15 +67,16 @@ def verify_export(
         "atol": atol,
         "tokens": [batch_size, seq_len],
         "num_parameters": sum(p.numel() for p in exported.parameters()),
-        "tokenizer": _tokenizer_class(Path(out_dir)),
+        "tokenizer": _tokenizer_class(Path(out_dir), trust_remote_code),
     }
 
 
-def _model_from_checkpoint(section: ModelSection) -> torch.nn.Module:
+def _model_from_checkpoint(section: ModelSection, trust_remote_code: bool) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(section.config_dir)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    config = AutoConfig.from_pretrained(section.config_dir, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
+                                             trust_remote_code=trust_remote_code)
     weights = section.read_hf(list(section.entries))
     result = model.load_state_dict(weights, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -82,10 +89,11 @@ def _model_from_checkpoint(section: ModelSection) -> torch.nn.Module:
     return model.float().eval()
 
 
-def _load_exported(out_dir: Path) -> torch.nn.Module:
+def _load_exported(out_dir: Path, trust_remote_code: bool) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager", dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
     return model.float().eval()
 
 
@@ -99,14 +107,14 @@ def _max_logit_diff(a: torch.nn.Module, b: torch.nn.Module, ids: torch.Tensor) -
     return (a(input_ids=ids).logits - b(input_ids=ids).logits).abs().max().item()
 
 
-def _tokenizer_class(out_dir: Path) -> str | None:
+def _tokenizer_class(out_dir: Path, trust_remote_code: bool) -> str | None:
     """Load the exported tokenizer when the export has one; a broken one fails verification."""
     if not any((out_dir / name).is_file() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(out_dir)
+        tokenizer = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
         tokenizer("verify")
     except Exception as err:
         raise VerificationError(f"{out_dir}: tokenizer does not load ({type(err).__name__}: {err})") from err

@@ -1,8 +1,9 @@
 """Checks run by `relax submit` before anything is written or started.
 
 The schema has already checked the recipe's shape; these check that the run
-can work on the executor it will use: the names it uses exist, the batch fits
-the model's context, and the backends it asks for are available there. Every
+can work on the executor it will use: this version of Relax has code for
+everything it asks for (`unavailable_features`), the names it uses exist, the
+batch fits the model's context, and the executor has what it needs. Every
 problem is a `RecipeError` (exit code 2) that says what to change.
 """
 
@@ -17,15 +18,12 @@ from relax_core.config.schema import HFModel, Recipe, SyntheticData, TinyModel
 from relax_core.errors import RecipeError
 from relax_core.models.tiny import TEMPLATE_CHARS
 
-# Algorithms the torch trainer and the colocate loop run end to end; the
-# others validate (relax list algorithms shows them) but are refused here.
-WIRED_ALGORITHMS = frozenset({
-    "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "sapo", "cispo", "m2po",
-    "opd", "dapo", "ppo",
-})
 # Chat-template tokens around one user turn with the tiny tokenizer (one token per
 # character, one per special token): "<|im_start|>user\n" ... "<|im_end|>\n<|im_start|>assistant\n".
 _TINY_TEMPLATE_TOKENS = 1 + 5 + 1 + 1 + 1 + 10
+_NOT_YET = "is not available in this version of Relax"
+_MEGATRON_FIELDS = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
+                    "sequence_parallel", "recompute_activations")
 
 
 def resolve_executor(recipe: Recipe) -> str:
@@ -45,15 +43,26 @@ def slurm_answers() -> bool:
 
 
 def preflight(recipe: Recipe, recipe_path: str | Path, executor: str) -> None:
-    problems = reference_problems(recipe) + _reward_problems(recipe) + _context_problems(recipe)
-    problems += _feature_problems(recipe)
+    # What this version lacks comes first: it is refused on every executor, whatever else is wrong.
+    problems = unavailable_features(recipe) + reference_problems(recipe) + _reward_problems(recipe)
+    problems += _context_problems(recipe) + _tokenizer_problems(recipe) + _remote_code_problems(recipe)
     if executor == "local":
         problems += _local_problems(recipe)
     elif executor == "slurm":
         problems += _slurm_problems(recipe)
+    _raise_if(problems, recipe_path)
+
+
+def refuse_unavailable(recipe: Recipe, recipe_path: str | Path) -> None:
+    """`relax validate`: a recipe this version cannot run on any executor is an error there too."""
+    _raise_if(unavailable_features(recipe), recipe_path)
+
+
+def _raise_if(problems: list[str], recipe_path: str | Path) -> None:
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
-        raise RecipeError(f"{recipe_path}: cannot run this recipe ({len(problems)} problem(s)); nothing was started\n{lines}")
+        raise RecipeError(f"{recipe_path}: cannot run this recipe ({len(problems)} problem(s)); "
+                          f"nothing was started\n{lines}")
 
 
 def _reward_problems(recipe: Recipe) -> list[str]:
@@ -82,6 +91,28 @@ def model_context_length(recipe: Recipe) -> int | None:
     return None
 
 
+def _tokenizer_problems(recipe: Recipe) -> list[str]:
+    tokenizer = getattr(recipe.model, "tokenizer", None)
+    if not tokenizer or looks_like_hub_id(tokenizer) or Path(tokenizer).expanduser().is_dir():
+        return []
+    return [f"model.tokenizer: '{tokenizer}' is neither a local tokenizer directory nor a hub id like Org/Name"]
+
+
+def _remote_code_problems(recipe: Recipe) -> list[str]:
+    """A local model or tokenizer that ships its own code (`auto_map`) loads only with trust_remote_code."""
+    model = recipe.model
+    if not isinstance(model, HFModel) or model.trust_remote_code:
+        return []
+    dirs = {"model.path": (model.path, "config.json"), "model.tokenizer": (model.tokenizer, "tokenizer_config.json")}
+    return [f"{field}: '{path}' ships its own code (auto_map in {name}); set model.trust_remote_code=true "
+            "if you trust it" for field, (path, name) in dirs.items() if path and "auto_map" in _local_json(path, name)]
+
+
+def _local_json(folder: str, name: str) -> dict:
+    file = Path(folder).expanduser() / name
+    return json.loads(file.read_text()) if not looks_like_hub_id(folder) and file.is_file() else {}
+
+
 def _context_problems(recipe: Recipe) -> list[str]:
     ro, problems = recipe.rollout, []
     limit = model_context_length(recipe)
@@ -102,27 +133,42 @@ def _context_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
-def _feature_problems(recipe: Recipe) -> list[str]:
-    problems = []
-    if recipe.algorithm.name not in WIRED_ALGORITHMS:
-        problems.append(
-            f"algorithm.name: {recipe.algorithm.name} is not available in this version of Relax "
-            f"(available: {', '.join(sorted(WIRED_ALGORITHMS))})"
-        )
+def unavailable_features(recipe: Recipe) -> list[str]:
+    """What the recipe asks for that this version of Relax has no code for, one line per field.
+
+    The one place such fields are refused (`relax submit` on every executor, `relax validate`);
+    the version that builds a backend deletes its line here.
+    """
+    problems = _engine_problems(recipe) + _multimodal_problems(recipe)
+    if recipe.train.backend == "megatron":
+        problems.append(f"train.backend: megatron (with {', '.join(_MEGATRON_FIELDS)}) {_NOT_YET}; "
+                        "use train.backend=torch")
+    for group in ("train", "rollout"):
+        if getattr(recipe.cluster, group).gpus_per_node:
+            problems.append(f"cluster.{group}.gpus_per_node: running on GPUs {_NOT_YET} (the torch trainer "
+                            "and the cpu engine run on CPU); set it to 0")
     return problems
+
+
+def _engine_problems(recipe: Recipe) -> list[str]:
+    ro, problems = recipe.rollout, []
+    if ro.engine == "sglang":
+        problems.append(f"rollout.engine: sglang {_NOT_YET}; use rollout.engine=cpu rollout.gpus_per_engine=0")
+    if ro.engine_args:
+        problems.append(f"rollout.engine_args: passed to SGLang engines only, and SGLang {_NOT_YET}; "
+                        "the cpu engine takes none, so leave it empty")
+    return problems
+
+
+def _multimodal_problems(recipe: Recipe) -> list[str]:
+    return [f"data.{key}: multimodal data ({kind}) {_NOT_YET}; remove the field"
+            for key, kind in (("image_key", "images"), ("audio_key", "audio"), ("video_key", "video"))
+            if getattr(recipe.data, key, None)]
 
 
 def _local_problems(recipe: Recipe) -> list[str]:
-    problems = []
-    for group in ("train", "rollout"):
-        if getattr(recipe.cluster, group).nodes > 1:
-            problems.append(f"cluster.{group}.nodes: the local executor runs each node group on this one machine; "
-                            "use 1 node (or Slurm)")
-    if recipe.rollout.engine == "sglang" and not _has_cuda():
-        problems.append("rollout.engine: sglang needs a GPU; on this machine use rollout.engine=cpu rollout.gpus_per_engine=0")
-    if recipe.train.backend == "megatron":
-        problems.append("train.backend: the megatron backend runs on GPU nodes; on this machine use train.backend=torch")
-    return problems
+    return [f"cluster.{group}.nodes: the local executor runs each node group on this one machine; "
+            "use 1 node (or Slurm)" for group in ("train", "rollout") if getattr(recipe.cluster, group).nodes > 1]
 
 
 def _slurm_problems(recipe: Recipe) -> list[str]:
@@ -131,11 +177,3 @@ def _slurm_problems(recipe: Recipe) -> list[str]:
     problems = [f"cluster.slurm: '{tool}' is not on PATH (load Slurm's module, or use --executor local)"
                 for tool in ("sbatch", "squeue", "scontrol") if not shutil.which(tool)]
     return problems + check_container(recipe.cluster.container)
-
-
-def _has_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()

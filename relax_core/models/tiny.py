@@ -89,9 +89,14 @@ def tiny_qwen3_config(
     )
 
 
+# `model.architecture` of a tiny recipe -> the function that builds its config (the schema's Literal lists these).
+CONFIG_BUILDERS = {"qwen3": tiny_qwen3_config}
+
+
 def materialize_tiny_model(
     out_dir: str | Path,
     *,
+    architecture: str = "qwen3",
     seed: int = 0,
     alphabet: str = DEFAULT_ALPHABET,
     hidden_size: int = 64,
@@ -101,7 +106,7 @@ def materialize_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 512,
 ) -> Path:
-    """Write a random-weight Qwen3 model and its tokenizer as an HF directory.
+    """Write a random-weight model of `architecture` and its tokenizer as an HF directory.
 
     The same seed and sizes always give the same weights, so every process of
     a run (trainer ranks, engines) that materialises the model agrees.
@@ -109,12 +114,14 @@ def materialize_tiny_model(
     Returns:
         The directory, loadable with `from_pretrained`.
     """
+    if architecture not in CONFIG_BUILDERS:
+        raise ValueError(f"no tiny model of architecture {architecture!r} (known: {', '.join(CONFIG_BUILDERS)})")
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     tokenizer = build_char_tokenizer(alphabet)
-    config = tiny_qwen3_config(
+    config = CONFIG_BUILDERS[architecture](
         len(tokenizer),
         hidden_size=hidden_size,
         num_layers=num_layers,

@@ -1,7 +1,7 @@
 """Command line of the CPU engine (flags named like `sglang.launch_server`'s).
 
     python -m relax_core.rollout.cpu_engine --model-path DIR --host 127.0.0.1 --port 30000 \
-        [--api-key TOKEN] [--max-running-requests N] [--seed S]
+        [--api-key TOKEN] [--max-running-requests N] [--seed S] [--trust-remote-code]
 
 Loads the model, then serves; prints `READY_PREFIX ...` once it accepts
 connections (the launcher in `relax_core.cluster` and the tests wait for
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 READY_PREFIX = "relax-cpu-engine ready"
@@ -22,6 +23,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-path", required=True, help="Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (only this one)")
     p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--fd", type=int, default=None,
+                   help="serve on this inherited, already listening socket (its address is --host:--port)")
     p.add_argument(
         "--api-key",
         default=os.environ.get("RELAX_ENGINE_API_KEY"),
@@ -32,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0, help="server sampling seed")
     p.add_argument("--weight-version", default="default", help="initial weight version reported")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--trust-remote-code", action="store_true", help="run the code the model directory ships")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         max_running=args.max_running_requests,
         seed=args.seed,
         weight_version=args.weight_version,
+        trust_remote_code=args.trust_remote_code,
     )
     app = create_app(state, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
@@ -62,8 +67,10 @@ def main(argv: list[str] | None = None) -> None:
             if self.started:
                 print(f"{READY_PREFIX} on http://{args.host}:{args.port} model={args.model_path}", flush=True)
 
+    # A socket handed over by the launcher: it chose the port by binding it, so no one else can take it.
+    sockets = [socket.socket(fileno=args.fd)] if args.fd is not None else None
     try:
-        _Server(config).run()
+        _Server(config).run(sockets=sockets)
     finally:
         state.batcher.stop()
     sys.exit(0)

@@ -1,0 +1,64 @@
+"""`model.tokenizer` and `model.trust_remote_code` in a real run, and the GPU recipes refused by real Slurm.
+
+A local run on a model that ships its own code (loadable only with
+trust_remote_code) and a named tokenizer completes a step, so every loader of
+the run (driver, engine, trainer ranks) was given the flag; the checkpoint
+and the converted model carry the named tokenizer; `convert-ckpt --verify`
+needs `--trust-remote-code` for such a model. With Slurm daemons answering,
+`relax submit` of the shipped math recipe still exits 2 and submits nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from model_dirs import OTHER_TEMPLATE, custom_code_model, other_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
+
+
+def relax(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_run_uses_the_named_tokenizer_and_trusts_the_models_code(tmp_path):
+    from transformers import AutoTokenizer
+
+    model = {"source": "hf", "path": str(custom_code_model(tmp_path / "model")), "dtype": "float32",
+             "tokenizer": str(other_tokenizer(tmp_path / "tok")), "trust_remote_code": True}
+    recipe = QUICKSTART | {"model": model, "train": QUICKSTART["train"] | {"steps": 1},
+                           "rollout": QUICKSTART["rollout"] | {"prompts_per_step": 2, "n_samples_per_prompt": 2},
+                           "checkpoint": {"interval": 1}, "logging": {"tensorboard": False}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    proc = relax("submit", "r.yaml", "--executor", "local", "--run-dir", "run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "run"
+    assert AutoTokenizer.from_pretrained(run / "model").chat_template == OTHER_TEMPLATE  # what every process loaded
+    assert AutoTokenizer.from_pretrained(run / "checkpoints" / "hf_config").chat_template == OTHER_TEMPLATE
+
+    refused = relax("convert-ckpt", "run", "--out", "hf", "--verify", cwd=tmp_path)
+    assert refused.returncode == 2 and "--trust-remote-code" in refused.stderr
+    converted = relax("convert-ckpt", "run", "--out", "hf", "--verify", "--trust-remote-code", "--overwrite",
+                      cwd=tmp_path)
+    assert converted.returncode == 0, converted.stderr
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == OTHER_TEMPLATE
+
+
+def test_the_math_recipe_is_refused_by_a_slurm_that_answers(slurm_cluster, tmp_path):
+    before = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+    proc = relax("submit", str(REPO / "recipes" / "math_dapo_qwen3_4b.yaml"), "--executor", "slurm", "--dry-run",
+                 f"cluster.slurm.partition={slurm_cluster.gpu_partition}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "rollout.engine: sglang is not available in this version of Relax" in proc.stderr
+    assert "not on PATH" not in proc.stderr  # Slurm is there: only what this version lacks is named
+    assert list(tmp_path.iterdir()) == []
+    assert slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split() == before

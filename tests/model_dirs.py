@@ -1,0 +1,52 @@
+"""Model and tokenizer directories that tests of `model.tokenizer` / `model.trust_remote_code` build locally.
+
+- `custom_code_model`: a tiny Qwen3 whose config names its own code (`auto_map`), as some hub
+  models do, so transformers loads it only with `trust_remote_code=True`;
+- `other_tokenizer`: the tiny model's vocabulary with another chat template (`OTHER_TEMPLATE`),
+  so a test can tell which tokenizer encoded a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from relax_core.models import tiny
+
+ALPHABET = "abcd"
+# A chat template unlike the tiny model's own: no roles, no newlines.
+OTHER_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['content'] + '<|im_end|>' }}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>' }}{% endif %}")
+MODEL_CODE = '''"""A model that loads only with trust_remote_code: Qwen3 under a name transformers does not know."""
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3Model
+
+
+class RelaxCustomConfig(Qwen3Config):
+    model_type = "relax_custom_qwen3"
+
+
+class RelaxCustomModel(Qwen3Model):
+    config_class = RelaxCustomConfig
+
+
+class RelaxCustomForCausalLM(Qwen3ForCausalLM):
+    config_class = RelaxCustomConfig
+'''
+
+
+def custom_code_model(folder: Path) -> Path:
+    tiny.materialize_tiny_model(folder, alphabet=ALPHABET)
+    (folder / "custom_tiny.py").write_text(MODEL_CODE)
+    config = json.loads((folder / "config.json").read_text())
+    config |= {"model_type": "relax_custom_qwen3", "architectures": ["RelaxCustomForCausalLM"],
+               "auto_map": {"AutoConfig": "custom_tiny.RelaxCustomConfig", "AutoModel": "custom_tiny.RelaxCustomModel",
+                            "AutoModelForCausalLM": "custom_tiny.RelaxCustomForCausalLM"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def other_tokenizer(folder: Path) -> Path:
+    tokenizer = tiny.build_char_tokenizer(ALPHABET)
+    tokenizer.chat_template = OTHER_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
