@@ -13,28 +13,35 @@ def submit(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. train.lr=2e-6."),
     executor: str = typer.Option(None, "--executor", "-e", help="auto, slurm or local (default: the recipe's)."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check and record the run, start nothing."),
-    run_dir: Path = typer.Option(None, "--run-dir", help="Run directory; an existing one resumes from its latest checkpoint."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="Check all, start nothing; record a new run, leave an existing run alone."),
+    run_dir: Path = typer.Option(None, "--run-dir",
+                                 help="Run directory; an existing one resumes from its latest checkpoint "
+                                      "(only changes that keep it the same run are accepted)."),
 ) -> None:
     """Run a recipe: locally on this machine, or as a Slurm job."""
-    from relax_core.launch.submit import launch_slurm, prepare, record
+    from relax_core.launch.submit import dry_run_plan, launch_slurm, prepare, record
 
     sub = prepare(recipe, overrides or [], executor, run_dir)
-    record(sub)
     if dry_run:
-        sub.run.update_state(state="dry-run")
+        if not sub.existing:  # a dry run never writes into an existing run
+            record(sub)
+            sub.run.update_state(state="dry-run")
         if sub.job_script is not None:
             out.print(sub.job_script, markup=False, end="")
         out.print(f"run directory: {sub.run.path}", markup=False)
-        out.print(f"dry run: checked and recorded; the {sub.executor} executor would start {sub.recipe.name}",
-                  markup=False)
+        for line in dry_run_plan(sub):
+            out.print(line, markup=False)
         return
     out.print(f"run directory: {sub.run.path}", markup=False)
     if sub.executor == "slurm":
+        record(sub)
         job_id = launch_slurm(sub)
         out.print(f"submitted Slurm job {job_id}; follow it with: relax status {sub.run.path}", markup=False)
         return
     from relax_core.launch.local import run_local
 
-    run_local(sub, out)
+    if run_local(sub, out) == "stopped":  # USR1 or TERM: the last completed step is checkpointed
+        out.print(f"[yellow]stopped[/]: {sub.run.path}; the same command resumes it")
+        raise typer.Exit(3)
     out.print(f"[green]done[/]: {sub.run.path}")

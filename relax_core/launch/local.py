@@ -2,32 +2,44 @@
 
 The driver starts a private Ray cluster, runs the training loop, and records
 its state in run.json so `relax status` and `relax logs` work from another
-shell. Ctrl-C stops the run cleanly (the latest checkpoint stays usable).
+shell. Ctrl-C stops the run cleanly (the latest checkpoint stays usable);
+USR1 or TERM stop it within seconds after checkpointing the last completed
+step (state `preempted`; submitting the run again resumes it).
+The driver holds the run directory's lock (`DriverLock`) from before it
+records the recipe until it has stopped everything, so a second driver of the
+same run is refused, naming this one's host and PID.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
-from relax_core.launch.submit import Submission
+from relax_core.launch.rundir import DriverLock
+from relax_core.launch.submit import Submission, record
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def run_local(sub: Submission, console) -> None:
+def run_local(sub: Submission, console) -> str:
+    """Run the job in this process; returns "completed", or "stopped" (USR1/TERM, checkpointed)."""
     from relax_core.controller.driver import run_driver
 
     run = sub.run
-    run.update_state(state="running", pid=os.getpid(), started=_now())
-    try:
-        run_driver(sub.recipe, run, console)
-    except KeyboardInterrupt:
-        run.update_state(state="cancelled", finished=_now())
-        raise
-    except BaseException as exc:
-        run.update_state(state="failed", finished=_now(), error=f"{type(exc).__name__}: {exc}")
-        raise
-    run.update_state(state="completed", finished=_now())
+    with DriverLock(run):
+        record(sub)
+        run.update_state(state="running", pid=os.getpid(), host=socket.gethostname(), started=_now())
+        try:
+            outcome = run_driver(sub.recipe, run, console)
+        except KeyboardInterrupt:
+            run.update_state(state="cancelled", finished=_now())
+            raise
+        except BaseException as exc:
+            run.update_state(state="failed", finished=_now(), error=f"{type(exc).__name__}: {exc}")
+            raise
+        # "stopped": USR1 or TERM ended the run after checkpointing its last completed step
+        run.update_state(state="completed" if outcome == "completed" else "preempted", finished=_now())
+        return outcome

@@ -6,28 +6,45 @@
         metrics.jsonl        one JSON object per step
         tensorboard/         TensorBoard event files
         logs/                driver.log, engine-*.log, ...
-        checkpoints/         Megatron layout (iter_0000010/, latest_checkpointed_iteration.txt)
+        checkpoints/         Megatron layout (iter_0000010/, latest_checkpointed_iteration.txt),
+                             relax_run.json: the run that owns it (relax_core/checkpoint/owner.py)
         secrets/             tokens (mode 0700 folder, 0600 files)
+        driver.lock          flock held by the run's one driver; holds its host and PID
 
 `relax status`, `relax logs` and a resumed run find everything from here.
 Light imports only: the CLI uses this on the login node.
+
+One driver owns a run directory at a time (`DriverLock`). The lock is an
+flock(2): the kernel drops it when its holder dies, so a crash never leaves a
+stale lock behind. On NFS, Linux emulates flock with NFS byte-range locks,
+so it holds across hosts (v3 with lockd, v4); on a file system mounted without
+locks (`nolock`, `local_lock=all`, Lustre's `localflock`) it holds on one host
+only, and where flock fails outright (Lustre `noflock`) the run goes on with a
+warning: the submit-time check of run.json's live job still applies.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import secrets
+import socket
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from relax_core.errors import UserError
 
+log = logging.getLogger(__name__)
+
 RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
+LOCK_FILE = "driver.lock"
 
 
 @dataclass(frozen=True)
@@ -58,7 +75,19 @@ class RunDir:
     def secrets(self) -> Path:
         return self.path / "secrets"
 
-    def create(self) -> "RunDir":
+    @property
+    def lock_file(self) -> Path:
+        return self.path / LOCK_FILE
+
+    def checkpoint_dir(self, recipe) -> Path:
+        """Where the run's checkpoints live: `checkpoint.dir`, or checkpoints/ in the run directory."""
+        return Path(recipe.checkpoint.dir).expanduser() if recipe.checkpoint.dir else self.checkpoints
+
+    def run_id(self) -> str:
+        """The run's identity (in run.json), created on first use; it survives moving the directory."""
+        return self.read_state().get("run_id") or self.update_state(run_id=uuid.uuid4().hex)["run_id"]
+
+    def create(self) -> RunDir:
         for folder in (self.path, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
         self.secrets.mkdir(mode=0o700, exist_ok=True)
@@ -130,3 +159,80 @@ def find_run(run: str | None, root: str | Path = "runs") -> RunDir:
     if not runs:
         raise UserError(f"no runs under {Path(root).resolve()}; give the run directory as an argument")
     return RunDir(runs[-1].parent.resolve())
+
+
+class DriverLock:
+    """The run directory's driver lock: taken by whoever runs the driver, held for its lifetime.
+
+    The local executor's driver process takes it; on Slurm the job's batch step does
+    (the login node that submitted the job cannot hold it for the job's life).
+    """
+
+    def __init__(self, run: RunDir):
+        self.run, self._fd = run, None
+
+    def acquire(self) -> DriverLock:
+        """Take the lock and write this host and PID into it; UserError names the holder when taken."""
+        self.run.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run.lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        if not _flock(fd, exclusive=True):
+            os.close(fd)
+            raise UserError(in_use_message(self.run, lock_holder_record(self.run)))
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the flock
+            self._fd = None
+
+    def __enter__(self) -> DriverLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _flock(fd: int, exclusive: bool) -> bool:
+    """Try to lock `fd` without waiting; False when another process holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as exc:  # a file system without flock: nothing to enforce it with here
+        if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        log.warning("this file system has no file locks (%s); one driver per run is not enforced", exc)
+        return True
+
+
+def lock_holder(run: RunDir) -> dict[str, Any] | None:
+    """Who holds the run's driver lock ({host, pid, since}), or None when nobody does. Writes nothing."""
+    try:
+        fd = os.open(run.lock_file, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        # A shared probe: it conflicts with the driver's exclusive lock, and NFS lets a read-only file take it.
+        return None if _flock(fd, exclusive=False) else lock_holder_record(run)
+    finally:
+        os.close(fd)
+
+
+def lock_holder_record(run: RunDir) -> dict[str, Any]:
+    try:
+        return json.loads(run.lock_file.read_text())
+    except (OSError, ValueError):  # the holder is between taking the lock and writing its name
+        return {}
+
+
+def in_use_message(run: RunDir, holder: dict[str, Any]) -> str:
+    who = f"host {holder.get('host', '?')}, PID {holder.get('pid', '?')}"
+    return (f"run directory {run.path} is in use: its driver runs on {who} (since {holder.get('since', '?')}); "
+            f"wait for it to end or stop it with `relax cancel {run.path}`, or give another --run-dir")

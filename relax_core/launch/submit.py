@@ -1,21 +1,32 @@
 """`relax submit`: from a recipe to a running job, checking everything first.
 
     prepare()  load + override + validate + preflight   (nothing written yet)
+               --run-dir: new, or an existing run this recipe continues (check_run_dir)
     slurm:     render the job script, `sbatch --test-only` it (still nothing written)
     record()   run directory with the resolved recipe (and job script)   (--dry-run stops here)
     launch     local: the driver runs in this process; slurm: sbatch
+
+A dry run of an existing run writes nothing at all (`dry_run_plan` says what a
+real submit would do); a refused submit leaves every file as it was.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from relax_core.checkpoint.layout import find_latest
+from relax_core.checkpoint.owner import check_owner, holds_checkpoints
 from relax_core.config import Recipe, dump_recipe, load_recipe
+from relax_core.errors import RecipeError, UserError
 from relax_core.launch.preflight import preflight, resolve_executor
-from relax_core.launch.rundir import RunDir, new_run_dir
+from relax_core.launch.rundir import RunDir, in_use_message, lock_holder, new_run_dir
+from relax_core.launch.same_run import check_same_run, describe, stored_recipe
+
+LIVE_STATES = ("running", "pending", "requeued", "suspended")
 
 
 @dataclass
@@ -25,6 +36,9 @@ class Submission:
     run: RunDir
     executor: str
     job_script: str | None = None
+    existing: bool = False  # --run-dir names a run that has started before: this submit resumes it
+    changes: list[tuple[str, Any, Any]] = field(default_factory=list)  # the safe changes of a resume
+    resume_step: int | None = None  # the checkpoint a resume starts from
 
 
 def prepare(recipe_path: str | Path, overrides: list[str], executor: str | None = None,
@@ -37,6 +51,7 @@ def prepare(recipe_path: str | Path, overrides: list[str], executor: str | None 
     preflight(recipe, recipe_path, chosen)
     run = RunDir(Path(run_dir).expanduser().resolve()) if run_dir else new_run_dir(recipe.logging.run_root, recipe.name)
     sub = Submission(recipe, Path(recipe_path), run, chosen)
+    check_run_dir(sub)
     if chosen == "slurm":
         sub.job_script = _checked_job_script(recipe, run)
     return sub
@@ -54,6 +69,81 @@ def _checked_job_script(recipe: Recipe, run: RunDir) -> str:
     return script
 
 
+def check_run_dir(sub: Submission) -> None:
+    """What --run-dir may name: a new or empty folder, a dry run's record, or an existing run that
+    this recipe continues (same_run.py), driven by nobody now, whose checkpoint directory is its own."""
+    run, recipe = sub.run, sub.recipe
+    sub.existing = is_existing_run(run)
+    if run.path.exists():
+        check_not_live(run)
+    if sub.existing:
+        old = stored_recipe(run.recipe.read_text())
+        sub.changes = check_same_run(old, recipe.model_dump(mode="json"), str(run.path))
+    elif run.path.is_dir() and not run.recipe.exists() and any(run.path.iterdir()):
+        raise UserError(f"--run-dir {run.path} is a folder with files but not a Relax run (no recipe.yaml); "
+                        "give a new or empty folder")
+    ckpt = run.checkpoint_dir(recipe)
+    check_owner(ckpt, run.read_state().get("run_id") if sub.existing else None, run.path)
+    sub.resume_step = find_latest(ckpt) if sub.existing else None
+    _check_resume_step(sub, ckpt)
+
+
+def is_existing_run(run: RunDir) -> bool:
+    """A run directory some driver has used; a dry run's record alone is not a run yet."""
+    if not run.recipe.exists():
+        return False
+    return run.read_state().get("state") != "dry-run" or run.metrics.exists() or holds_checkpoints(run.checkpoints)
+
+
+def check_not_live(run: RunDir) -> None:
+    """Refuse a run directory whose driver holds its lock, or whose recorded job is still live."""
+    from relax_core.launch.status import FINAL_STATES, current_state
+
+    holder = lock_holder(run)
+    if holder is not None:
+        raise UserError(in_use_message(run, holder))
+    state = run.read_state()
+    if state.get("state", "dry-run") in (*FINAL_STATES, "dry-run"):
+        return
+    try:
+        status = current_state(state)
+    except OSError:  # no Slurm commands on this machine: the lock is the only witness
+        return
+    if _is_live(state, status):
+        job = f"Slurm job {state['job_id']}" if state.get("job_id") else f"driver (PID {state.get('pid')})"
+        raise UserError(f"run directory {run.path} is in use: its {job} is {status}; wait for it to end "
+                        f"or stop it with `relax cancel {run.path}`, or give another --run-dir")
+
+
+def _is_live(state: dict[str, Any], status: str) -> bool:
+    """A local driver's PID counts while it says running; a Slurm run is live while it has a queued job."""
+    if state.get("executor") == "local":
+        return status == "running"
+    return bool(state.get("job_id")) and status in LIVE_STATES
+
+
+def _check_resume_step(sub: Submission, ckpt: Path) -> None:
+    recipe, step = sub.recipe, sub.resume_step
+    if sub.existing and step is not None and not recipe.checkpoint.resume:
+        raise RecipeError(f"checkpoint.resume is false, but {ckpt} holds this run's checkpoint of step {step}: "
+                          "starting over would overwrite it; set checkpoint.resume=true or give a new --run-dir")
+    if step is not None and recipe.train.steps < step:
+        raise RecipeError(f"train.steps={recipe.train.steps} is below the step this run resumes from ({step}, "
+                          f"the latest checkpoint in {ckpt}); set train.steps to {step} or more")
+
+
+def dry_run_plan(sub: Submission) -> list[str]:
+    """What a real submit would do; for an existing run nothing has been written."""
+    name, steps = sub.recipe.name, sub.recipe.train.steps
+    if not sub.existing:
+        return [f"dry run: checked and recorded; the {sub.executor} executor would start {name}"]
+    start = f"from step {sub.resume_step}" if sub.resume_step else "from the start (no checkpoint yet)"
+    state = sub.run.read_state().get("state", "unknown")
+    return [f"dry run: {sub.run.path} is an existing run ({state}); checked it and wrote nothing",
+            f"a submit would resume it with the {sub.executor} executor {start} to step {steps}",
+            *([f"  change: {describe(c)}" for c in sub.changes] or ["  the recipe is unchanged"])]
+
+
 def record(sub: Submission) -> None:
     """Create the run directory and write the resolved recipe before anything starts."""
     sub.run.create()
@@ -62,7 +152,9 @@ def record(sub: Submission) -> None:
         from relax_core.launch.slurm import SCRIPT_NAME
 
         (sub.run.path / SCRIPT_NAME).write_text(sub.job_script)
-    sub.run.update_state(name=sub.recipe.name, executor=sub.executor, state="pending",
+    sub.run.run_id()
+    # error/finished: what an earlier attempt of a resumed run ended with
+    sub.run.update_state(name=sub.recipe.name, executor=sub.executor, state="pending", error=None, finished=None,
                          total_steps=sub.recipe.train.steps, submitted=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 

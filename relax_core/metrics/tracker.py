@@ -3,6 +3,12 @@
 The controller calls `log(step, metrics)` once per training step. The JSONL
 file is the source of truth (`relax status` reads it); TensorBoard gets every
 numeric value; the console gets one line per step.
+
+A resumed run redoes the steps after its checkpoint, so `resume_from(K)` first
+drops what the interrupted attempt logged past step K: metrics.jsonl is
+rewritten atomically with the rows of steps <= K, and TensorBoard's writer
+opens with `purge_step=K+1`, which hides the older events from that step on.
+Each step is then in both exactly once.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -31,34 +38,66 @@ PROGRESS_FIELDS = (
 class MetricsTracker:
     def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, total_steps: int, console=None):
         self.metrics_file = metrics_file
+        self.tensorboard_dir = tensorboard_dir
         self.total_steps = total_steps
         self.console = console
         self._writer = None
-        if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+        self._purge_step: int | None = None
 
-            self._writer = SummaryWriter(log_dir=str(tensorboard_dir))
+    def resume_from(self, step: int) -> None:
+        """Forget what was logged after `step`: the run continues from there (see the module docstring)."""
+        if self.metrics_file.exists():
+            kept = [line for line in self.metrics_file.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+            tmp = self.metrics_file.with_name(f".{self.metrics_file.name}.{os.getpid()}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.metrics_file)
+        self._purge_step = step + 1
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}
         with self.metrics_file.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
-        if self._writer is not None:
+        writer = self._tensorboard()
+        if writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+                    writer.add_scalar(key, value, step)
+            writer.flush()
         line = progress_line(row, self.total_steps)
         log.info(line)
         if self.console is not None:
             self.console.print(line, highlight=False, markup=False)
+
+    def _tensorboard(self):
+        """The event writer, opened at the first step (after `resume_from`, which sets its purge step)."""
+        if self._writer is None and self.tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=self._purge_step)
+        return self._writer
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
 
 
+def _step_of(line: str) -> float:
+    """A metrics row's step; a line cut short by a crash counts as past every step (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def progress_line(row: dict[str, Any], total_steps: int) -> str:
     parts = [f"step {row['step']}/{total_steps}"]
     parts += [fmt.format(row[key]) for key, fmt in PROGRESS_FIELDS if row.get(key) is not None]
-    return " | ".join(parts)
+    return " | ".join(parts + _reward_failures(row))
+
+
+def _reward_failures(row: dict[str, Any]) -> list[str]:
+    """`rerr N` (errors plus time-outs of the step's reward calls), only when some failed."""
+    errors, timeouts = int(row.get("reward_errors") or 0), int(row.get("reward_timeouts") or 0)
+    if not errors + timeouts:
+        return []
+    return [f"rerr {errors + timeouts}" + (f" ({timeouts} timed out)" if timeouts else "")]
