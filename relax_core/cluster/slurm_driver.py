@@ -5,8 +5,9 @@
 Waits until every allocated node has joined the job's Ray cluster (each
 advertises `relax_node_<name>`), naming the missing nodes after
 `cluster.slurm.startup_timeout_s`, then runs the training loop. USR1 (which
-the supervisor forwards from Slurm) means: checkpoint after this step and
-exit with DRIVER_STOPPED so the job can be requeued.
+the supervisor forwards from Slurm) means: abort the rollout in progress,
+checkpoint the last completed step at once (`relax_core.controller.preemption`)
+and exit with DRIVER_STOPPED so the job can be requeued.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def wait_for_nodes(head: str, expected: list[str], timeout_s: float, namespace: 
 def main(argv: list[str] | None = None) -> int:
     from relax_core.config import load_recipe
     from relax_core.controller.driver import run_job, setup_logging
+    from relax_core.controller.preemption import stop_on_signals
 
     run = RunDir(Path((argv or sys.argv[1:])[0]).resolve())
     os.environ.update(token_env(run))  # before Ray reads its configuration
@@ -69,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(run)
     state = run.read_state()
     stop = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: engines and trainers are stopped
+    stop_on_signals(stop, (signal.SIGUSR1,))
     expected = [name for group in state["nodes"].values() for name in group]
     try:
         wait_for_nodes(state["ray_head"], expected, recipe.cluster.slurm.startup_timeout_s, run.path.name)
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         run.update_state(error=str(exc))
         return DRIVER_STARTUP_FAILED
+    # After Ray's connect, which installs a TERM handler of its own: unwind, so engines and trainers are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     outcome = run_job(recipe, run, None, stop=stop)
     return DRIVER_COMPLETED if outcome == "completed" else DRIVER_STOPPED
 

@@ -6,7 +6,8 @@
         weights  -> every engine, now version k
         engines added or removed since the last step? apply (engines.py)
         log; checkpoint every `checkpoint.interval` steps and at the end
-        preempted (job.stop set)? checkpoint now and return "stopped"
+    told to stop (job.stop, controller/preemption.py)? a rollout in progress is aborted and dropped,
+    a training step in progress finishes; checkpoint the last completed step and return "stopped"
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from statistics import fmean
 
 from relax_core.controller.job import Job, timed
+from relax_core.controller.preemption import Preempted
 from relax_core.rollout.types import Sample
 
 
@@ -22,17 +24,19 @@ def train_colocate(job: Job) -> str:
     start = job.resume()
     for step in range(start + 1, total + 1):
         engine_stats = job.engines.apply_pending(job.loop, job.set_endpoints)  # between steps: engines idle
-        samples, rollout_s = timed(job.rollout, step)
+        try:
+            samples, rollout_s = timed(job.rollout, step)
+        except Preempted:
+            return job.stop_here()
         train_metrics, train_s = timed(job.train, samples)
         sync_stats, sync_s = timed(job.sync_weights, step)
         job.log(step, step_metrics(samples, rollout_s, train_s, sync_s, job.policy_version)
                 | job.rollout_manager.last_reward_stats | engine_stats | train_metrics | sync_stats)
+        job.step_done(step)
         if step % job.recipe.checkpoint.interval == 0 or step == total:
             job.checkpoint(step)
-        elif job.stop.is_set():
-            job.checkpoint(step)
-        if job.stop.is_set():
-            return "stopped"
+        if job.stop.is_set() and step < total:
+            return job.stop_here()
     return "completed"
 
 

@@ -6,6 +6,7 @@
         apply requested engine changes (add: gets the weights first; remove: drained first)
         samples = rollout(s)              every sample carries the one version that generated it
         bus.put(s, samples); advantage stage adds its field; record (count, ids, times) for the trainer
+    the run told to stop: the step being generated is aborted (controller/preemption.py) and dropped
 
 Weights change only between two batches, so no sample mixes two policy
 versions, and the staleness of a sample consumed at step s is exactly
@@ -19,9 +20,10 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
+from relax_core.controller.preemption import Preempted
 from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class RolloutProducer(threading.Thread):
             for step in range(self.first, self.last + 1):
                 if not self._produce(step, manager, loop):
                     break
+        except Preempted as exc:
+            log.info("rollout ended: %s", exc)
         except BaseException as exc:  # handed to the trainer loop, which raises it
             log.exception("rollout failed")
             self.error = exc
@@ -125,16 +129,20 @@ class RolloutProducer(threading.Thread):
         return time.perf_counter() - start
 
     def record(self, step: int, timeout_s: float) -> StepRecord:
-        """Wait until `step`'s samples are on the bus; raises what the producer died of."""
+        """Wait until `step`'s samples are on the bus; raises what the producer died of, or `Preempted`
+        once the run is told to stop (samples already produced are not trained on: stop at once)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while step not in self.records:
+            while True:
+                if self.job.stop.is_set():
+                    raise Preempted(f"step {step} not trained: the run is stopping")
+                if step in self.records:
+                    return self.records.pop(step)
                 if self.error is not None:
                     raise RuntimeError(f"rollout failed: {self.error}") from self.error
                 if not self.is_alive() or time.monotonic() > deadline:
                     raise TimeoutError(f"no samples for step {step} after {timeout_s:.0f}s")
                 self._cond.wait(0.5)
-            return self.records.pop(step)
 
     def stop(self) -> None:
         self.halt.set()

@@ -31,6 +31,11 @@ class EngineError(RuntimeError):
         self.message = message
 
 
+class GenerationAborted(RuntimeError):
+    """Engines ended some of a batch's requests as aborted (`/abort_request`, `/pause_generation`, or an
+    engine failing): the batch is incomplete and must not be trained on."""
+
+
 @dataclass
 class GenerateOutput:
     """The parts of one `/generate` result that training needs."""
@@ -122,7 +127,9 @@ class EngineClient:
         body.update(extra)
         return await self._post_json("/generate", body)
 
-    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """End request `rid`, or every request the engine holds (`abort_all`); they answer with finish
+        reason "abort". `rid` is a string even when unused: SGLang's `AbortReq` types it `str = ""`."""
         await self._request("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
 
     # ---- health and info ----

@@ -5,8 +5,10 @@ engines for `n_samples_per_prompt` responses each (all samples of a prompt go
 to the same engine, so its prefix cache serves the group), scores every
 response with the reward, and returns one `Sample` per response with the
 engine's log-probs and weight version. Scoring goes through the reward hub
-(relax_core/rewards/hub.py) once per step, for all samples concurrently; the
-step's failure counts are left in `last_reward_stats` for the controller. Every sample gets its own sampling
+(relax_core/rewards/hub.py) once per step, for all samples concurrently, each
+with its row's own reward (`row["reward"]`, from `data.reward_key`) or the
+recipe's; the step's failure counts are left in `last_reward_stats` for the
+controller, and too many failures end the run there. Every sample gets its own sampling
 seed derived from (run seed, step, index), so a resumed run draws exactly
 the samples the uninterrupted run would have drawn.
 """
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from relax_core.data.prompts import encode_prompt
 from relax_core.rewards.hub import RewardHub, RewardItem, empty_stats
-from relax_core.rollout.client import EngineClient, parse_generate_output
+from relax_core.rollout.client import EngineClient, GenerationAborted, parse_generate_output
 from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
@@ -64,12 +67,13 @@ class RolloutManager:
         for position, (row_index, ids) in enumerate(prompts):
             per_engine[position % len(self.clients)].append((row_index, ids))
         groups = await asyncio.gather(*(self._on_engine(c, items, step) for c, items in zip(self.clients, per_engine)))
+        raise_if_aborted(groups)
         by_row = dict(pair for group in groups for pair in group)
-        built: list[tuple[Sample, str]] = []
+        built: list[tuple[Sample, str, str | None]] = []
         for row_index, _ in prompts:
             built += self._samples(by_row[row_index], rows[row_index], group_id=step * GROUP_STRIDE + row_index)
         await self._score(built)
-        return [sample for sample, _ in built]
+        return [sample for sample, _, _ in built]
 
     def _encode(self, rows: list[dict[str, Any]]) -> list[tuple[int, list[int]]]:
         encoded = []
@@ -106,15 +110,15 @@ class RolloutManager:
             raw = await client.generate([ids for _, ids, _ in chunk], sampling_params=params, return_logprob=True)
         return [parse_generate_output(item) for item in (raw if isinstance(raw, list) else [raw])]
 
-    def _samples(self, responses, row: dict[str, Any], group_id: int) -> list[tuple[Sample, str]]:
-        """Unscored samples of one prompt, each with its decoded response text."""
+    def _samples(self, responses, row: dict[str, Any], group_id: int) -> list[tuple[Sample, str, str | None]]:
+        """Unscored samples of one prompt, each with its decoded response text and its row's reward."""
         metadata = row.get("metadata") or {}
         n = self.sampling.n_samples_per_prompt
         return [(Sample(
             prompt_ids=list(prompt_ids), response_ids=out.output_ids, rollout_logprobs=out.logprobs,
             group_id=group_id, policy_version=out.policy_version, label=row.get("label"),
             metadata=metadata, finish_reason=out.finish_reason, sample_id=group_id * n + k,
-        ), out.text) for k, (prompt_ids, out) in enumerate(responses)]
+        ), out.text, row.get("reward")) for k, (prompt_ids, out) in enumerate(responses)]
 
     async def set_clients(self, clients: list[EngineClient]) -> None:
         """Send later requests to `clients` (the engine set changed between steps); close the old ones."""
@@ -128,10 +132,19 @@ class RolloutManager:
         """Close the HTTP clients (in the loop they were used on)."""
         loop.run_until_complete(self.aclose())
 
-    async def _score(self, built: list[tuple[Sample, str]]) -> None:
+    async def _score(self, built: list[tuple[Sample, str, str | None]]) -> None:
         """Set every sample's reward in one concurrent hub call (failures score 0 and are counted)."""
-        items = [RewardItem(text, sample.label, sample.metadata) for sample, text in built]
+        items = [RewardItem(text, sample.label, sample.metadata, reward) for sample, text, reward in built]
         results = await self.reward_hub.score(items)
-        for (sample, _), result in zip(built, results):
+        for (sample, _, _), result in zip(built, results):
             sample.reward = result.score
         self.last_reward_stats = dict(self.reward_hub.last_stats)
+
+
+def raise_if_aborted(groups) -> None:
+    """An aborted request (the run is stopping, or an engine failed) makes the whole batch unusable:
+    stop before scoring it rather than train on cut-off responses."""
+    outs = [out for group in groups for _, responses in group for _, out in responses]
+    aborted = sum(out.finish_reason == "abort" for out in outs)
+    if aborted:
+        raise GenerationAborted(f"{aborted} of {len(outs)} responses were aborted by the engines")
