@@ -20,7 +20,7 @@ def submit(
                                       "(only changes that keep it the same run are accepted)."),
 ) -> None:
     """Run a recipe: locally on this machine, or as a Slurm job."""
-    from relax_core.launch.submit import dry_run_plan, launch_slurm, prepare, record
+    from relax_core.launch.submit import dry_run_plan, prepare, record
 
     sub = prepare(recipe, overrides or [], executor, run_dir)
     if dry_run:
@@ -34,14 +34,11 @@ def submit(
             out.print(line, markup=False)
         return
     out.print(f"run directory: {sub.run.path}", markup=False)
-    if sub.executor == "slurm":
-        record(sub)
-        job_id = launch_slurm(sub)
-        out.print(f"submitted Slurm job {job_id}; follow it with: relax status {sub.run.path}", markup=False)
-        return
-    from relax_core.launch.local import run_local
-
-    if run_local(sub, out) == "stopped":  # USR1 or TERM: the last completed step is checkpointed
-        out.print(f"[yellow]stopped[/]: {sub.run.path}; the same command resumes it")
+    launched = sub.executor.launch(sub, out)
+    if launched.outcome == "stopped":  # preempted after checkpointing its last completed step
+        out.print(f"[yellow]stopped[/]: {launched.message}")
         raise typer.Exit(3)
-    out.print(f"[green]done[/]: {sub.run.path}")
+    if launched.outcome == "completed":
+        out.print(f"[green]done[/]: {launched.message}")
+    else:
+        out.print(launched.message, markup=False)

@@ -13,10 +13,13 @@ same run is refused, naming this one's host and PID.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 
+from relax_core.launch.executors import Executor, Launched
 from relax_core.launch.rundir import DriverLock
+from relax_core.launch.status import pid_alive
 from relax_core.launch.submit import Submission, record
 
 
@@ -43,3 +46,32 @@ def run_local(sub: Submission, console) -> str:
         # "stopped": USR1 or TERM ended the run after checkpointing its last completed step
         run.update_state(state="completed" if outcome == "completed" else "preempted", finished=_now())
         return outcome
+
+
+class LocalExecutor(Executor):
+    """The whole run on this machine, its driver in this process."""
+
+    name = "local"
+
+    def problems(self, recipe) -> list[str]:
+        return [f"cluster.{group}.nodes: the local executor runs each node group on this one machine; "
+                "use 1 node (or Slurm)" for group in ("train", "rollout") if getattr(recipe.cluster, group).nodes > 1]
+
+    def launch(self, sub: Submission, console) -> Launched:
+        if run_local(sub, console) == "stopped":  # USR1 or TERM: the last completed step is checkpointed
+            return Launched("stopped", f"{sub.run.path}; the same command resumes it")
+        return Launched("completed", str(sub.run.path))
+
+    def current_state(self, state: dict) -> str:
+        """A run marked running whose driver is gone has died."""
+        recorded = state.get("state", "unknown")
+        return "died" if recorded == "running" and not pid_alive(state.get("pid")) else recorded
+
+    def is_live(self, state: dict, status: str) -> bool:
+        return status == "running"
+
+    def cancel(self, run, state: dict) -> str:
+        if not pid_alive(state.get("pid")):
+            return super().cancel(run, state)
+        os.kill(int(state["pid"]), signal.SIGINT)  # the driver stops its engines, trainers and Ray
+        return f"sent SIGINT to the local driver (pid {state['pid']})"

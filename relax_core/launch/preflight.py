@@ -10,7 +10,6 @@ problem is a `RecipeError` (exit code 2) that says what to change.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id, reference_problems
@@ -26,31 +25,12 @@ _MEGATRON_FIELDS = ("tensor_parallel", "pipeline_parallel", "context_parallel", 
                     "sequence_parallel", "recompute_activations")
 
 
-def resolve_executor(recipe: Recipe) -> str:
-    """`auto`: Slurm when `sbatch` is on PATH and a Slurm controller answers, else this machine."""
-    if recipe.cluster.executor != "auto":
-        return recipe.cluster.executor
-    return "slurm" if shutil.which("sbatch") and slurm_answers() else "local"
-
-
-def slurm_answers() -> bool:
-    import subprocess
-
-    try:
-        return subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-def preflight(recipe: Recipe, recipe_path: str | Path, executor: str) -> None:
+def preflight(recipe: Recipe, recipe_path: str | Path, executor) -> None:
+    """Every check; `executor` (launch/executors.py) adds its own."""
     # What this version lacks comes first: it is refused on every executor, whatever else is wrong.
     problems = unavailable_features(recipe) + reference_problems(recipe) + _reward_problems(recipe)
     problems += _context_problems(recipe) + _tokenizer_problems(recipe) + _remote_code_problems(recipe)
-    if executor == "local":
-        problems += _local_problems(recipe)
-    elif executor == "slurm":
-        problems += _slurm_problems(recipe)
-    _raise_if(problems, recipe_path)
+    _raise_if(problems + executor.problems(recipe), recipe_path)
 
 
 def refuse_unavailable(recipe: Recipe, recipe_path: str | Path) -> None:
@@ -164,16 +144,3 @@ def _multimodal_problems(recipe: Recipe) -> list[str]:
     return [f"data.{key}: multimodal data ({kind}) {_NOT_YET}; remove the field"
             for key, kind in (("image_key", "images"), ("audio_key", "audio"), ("video_key", "video"))
             if getattr(recipe.data, key, None)]
-
-
-def _local_problems(recipe: Recipe) -> list[str]:
-    return [f"cluster.{group}.nodes: the local executor runs each node group on this one machine; "
-            "use 1 node (or Slurm)" for group in ("train", "rollout") if getattr(recipe.cluster, group).nodes > 1]
-
-
-def _slurm_problems(recipe: Recipe) -> list[str]:
-    from relax_core.launch.container import check_container
-
-    problems = [f"cluster.slurm: '{tool}' is not on PATH (load Slurm's module, or use --executor local)"
-                for tool in ("sbatch", "squeue", "scontrol") if not shutil.which(tool)]
-    return problems + check_container(recipe.cluster.container)

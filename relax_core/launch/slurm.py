@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from relax_core.config.schema import NodeGroup, Recipe
 from relax_core.errors import RecipeError
+from relax_core.launch.executors import Executor, Launched
 from relax_core.launch.rundir import RunDir
 
 SCRIPT_NAME = "job.sbatch"
@@ -162,3 +167,80 @@ def _sacct_states(job_ids: list[str]) -> dict[str, str]:
 
 def cancel(job_id: str) -> None:
     subprocess.run(["scancel", job_id], check=True, capture_output=True, text=True, timeout=60)
+
+
+def slurm_answers() -> bool:
+    """`sbatch` is on PATH and a Slurm controller answers (what `cluster.executor: auto` asks)."""
+    if not shutil.which("sbatch"):
+        return False
+    try:
+        return subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+# Slurm's job states, as Relax reports them.
+SLURM_STATES = {
+    "PENDING": "pending", "CONFIGURING": "running", "RUNNING": "running", "COMPLETING": "running",
+    "REQUEUED": "requeued", "REQUEUE_HOLD": "requeued", "REQUEUE_FED": "requeued", "RESIZING": "running",
+    "SUSPENDED": "suspended", "PREEMPTED": "preempted", "COMPLETED": "completed", "CANCELLED": "cancelled",
+    "FAILED": "failed", "TIMEOUT": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
+    "BOOT_FAIL": "failed", "DEADLINE": "failed",
+}
+
+
+
+# ---------------------------------------------------------------- executor
+class SlurmExecutor(Executor):
+    """The run as one heterogeneous batch job; the login node only checks, records and submits it."""
+
+    name = "slurm"
+
+    def problems(self, recipe: Recipe) -> list[str]:
+        from relax_core.launch.container import check_container
+
+        problems = [f"cluster.slurm: '{tool}' is not on PATH (load Slurm's module, or use --executor local)"
+                    for tool in ("sbatch", "squeue", "scontrol") if not shutil.which(tool)]
+        return problems + check_container(recipe.cluster.container)
+
+    def prepare(self, sub) -> None:
+        """The rendered job script, once Slurm said it could run it (`sbatch --test-only`)."""
+        script = render_job_script(sub.recipe, sub.run)
+        with tempfile.TemporaryDirectory(prefix="relax-check-") as folder:
+            path = Path(folder) / SCRIPT_NAME
+            path.write_text(script)
+            test_only(path)
+        sub.job_script = script
+
+    def launch(self, sub, console) -> Launched:
+        """Record the run, write the Ray token (0600) before the job can start, submit the script."""
+        from relax_core.cluster.local_ray import token_env
+        from relax_core.launch.submit import record
+
+        record(sub)
+        token_env(sub.run)
+        job_id = submit_script(sub.run.path / SCRIPT_NAME)
+        sub.run.update_state(job_id=job_id)
+        return Launched("submitted", f"submitted Slurm job {job_id}; follow it with: relax status {sub.run.path}")
+
+    def current_state(self, state: dict[str, Any]) -> str:
+        """The scheduler's word while it knows the job, else what the run recorded."""
+        recorded, job_id = state.get("state", "unknown"), state.get("job_id")
+        if not job_id or recorded == "dry-run":
+            return recorded
+        slurm = scheduler_states([str(job_id)]).get(str(job_id))
+        if slurm is None:  # Slurm forgot the job (no accounting): trust the record, unless it claims to be live
+            return "died" if recorded in ("pending", "running", "requeued") else recorded
+        mapped = SLURM_STATES.get(slurm.upper(), slurm.lower())
+        # The job's own record is more precise once it has finished (completed vs requeued).
+        return recorded if mapped == "running" and recorded in ("completed", "requeued") else mapped
+
+    def is_live(self, state: dict[str, Any], status: str) -> bool:
+        return bool(state.get("job_id")) and super().is_live(state, status)
+
+    def cancel(self, run: RunDir, state: dict[str, Any]) -> str:
+        if not state.get("job_id"):
+            return super().cancel(run, state)
+        cancel(str(state["job_id"]))
+        run.update_state(state="cancelled", finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        return f"cancelled Slurm job {state['job_id']}"

@@ -35,32 +35,12 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
-# Slurm's job states, as Relax reports them.
-SLURM_STATES = {
-    "PENDING": "pending", "CONFIGURING": "running", "RUNNING": "running", "COMPLETING": "running",
-    "REQUEUED": "requeued", "REQUEUE_HOLD": "requeued", "REQUEUE_FED": "requeued", "RESIZING": "running",
-    "SUSPENDED": "suspended", "PREEMPTED": "preempted", "COMPLETED": "completed", "CANCELLED": "cancelled",
-    "FAILED": "failed", "TIMEOUT": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
-    "BOOT_FAIL": "failed", "DEADLINE": "failed",
-}
-
-
 def current_state(state: dict[str, Any]) -> str:
-    """The run's state: the scheduler's word while it knows the job, else what the run recorded."""
-    recorded = state.get("state", "unknown")
-    if state.get("executor") == "local":
-        return "died" if recorded == "running" and not pid_alive(state.get("pid")) else recorded
-    job_id = state.get("job_id")
-    if state.get("executor") != "slurm" or not job_id or recorded == "dry-run":
-        return recorded
-    from relax_core.launch.slurm import scheduler_states
+    """The run's state: what its executor (the one run.json names) sees, else what the run recorded."""
+    from relax_core.launch.executors import executor_named
 
-    slurm = scheduler_states([str(job_id)]).get(str(job_id))
-    if slurm is None:  # Slurm forgot the job (no accounting): trust the record, unless it claims to be live
-        return "died" if recorded in ("pending", "running", "requeued") else recorded
-    mapped = SLURM_STATES.get(slurm.upper(), slurm.lower())
-    # The job's own record is more precise once it has finished (completed vs requeued).
-    return recorded if mapped == "running" and recorded in ("completed", "requeued") else mapped
+    executor = executor_named(state.get("executor"))
+    return executor.current_state(state) if executor else state.get("state", "unknown")
 
 
 def run_status(run: RunDir) -> dict[str, Any]:
@@ -120,21 +100,14 @@ def follow(path: Path, run: RunDir, poll_s: float = 0.5, max_status_interval_s: 
 
 def cancel_run(run: RunDir) -> str:
     """Stop the run's job or driver; returns what was done."""
-    import signal
-
     from relax_core.errors import UserError
+    from relax_core.launch.executors import executor_named
 
     state = run.read_state()
     status = current_state(state)
     if status in FINAL_STATES or status == "dry-run":
         raise UserError(f"{run.path}: the run is {status}; nothing to cancel")
-    if state.get("executor") == "slurm" and state.get("job_id"):
-        from relax_core.launch.slurm import cancel
-
-        cancel(str(state["job_id"]))
-        run.update_state(state="cancelled", finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
-        return f"cancelled Slurm job {state['job_id']}"
-    if state.get("executor") == "local" and pid_alive(state.get("pid")):
-        os.kill(int(state["pid"]), signal.SIGINT)  # the driver stops its engines, trainers and Ray
-        return f"sent SIGINT to the local driver (pid {state['pid']})"
-    raise UserError(f"{run.path}: the run has no live job or driver to cancel (state: {status})")
+    executor = executor_named(state.get("executor"))
+    if executor is None:
+        raise UserError(f"{run.path}: the run has no live job or driver to cancel (state: {status})")
+    return executor.cancel(run, state)

@@ -2,9 +2,11 @@
 
     prepare()  load + override + validate + preflight   (nothing written yet)
                --run-dir: new, or an existing run this recipe continues (check_run_dir)
-    slurm:     render the job script, `sbatch --test-only` it (still nothing written)
+               executor.prepare: e.g. render the job script, `sbatch --test-only` it (still nothing written)
     record()   run directory with the resolved recipe (and job script)   (--dry-run stops here)
-    launch     local: the driver runs in this process; slurm: sbatch
+    executor.launch: local: the driver runs in this process; slurm: sbatch
+
+The executor (launch/executors.py) is chosen once, here.
 
 A dry run of an existing run writes nothing at all (`dry_run_plan` says what a
 real submit would do); a refused submit leaves every file as it was.
@@ -12,7 +14,6 @@ real submit would do); a refused submit leaves every file as it was.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,11 @@ from relax_core.checkpoint.layout import find_latest
 from relax_core.checkpoint.owner import check_owner, holds_checkpoints
 from relax_core.config import Recipe, dump_recipe, load_recipe
 from relax_core.errors import RecipeError, UserError
-from relax_core.launch.preflight import preflight, resolve_executor
+from relax_core.launch.executors import Executor, choose_executor
+from relax_core.launch.preflight import preflight
 from relax_core.launch.rundir import RunDir, in_use_message, lock_holder, new_run_dir
 from relax_core.launch.same_run import check_same_run, describe, stored_recipe
 
-LIVE_STATES = ("running", "pending", "requeued", "suspended")
 
 
 @dataclass
@@ -34,7 +35,7 @@ class Submission:
     recipe: Recipe
     recipe_path: Path
     run: RunDir
-    executor: str
+    executor: Executor
     job_script: str | None = None
     existing: bool = False  # --run-dir names a run that has started before: this submit resumes it
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)  # the safe changes of a resume
@@ -47,26 +48,13 @@ def prepare(recipe_path: str | Path, overrides: list[str], executor: str | None 
     if executor:
         overrides = [*overrides, f"cluster.executor={executor}"]
     recipe = load_recipe(recipe_path, overrides)
-    chosen = resolve_executor(recipe)
-    preflight(recipe, recipe_path, chosen)
+    executor = choose_executor(recipe)
+    preflight(recipe, recipe_path, executor)
     run = RunDir(Path(run_dir).expanduser().resolve()) if run_dir else new_run_dir(recipe.logging.run_root, recipe.name)
-    sub = Submission(recipe, Path(recipe_path), run, chosen)
+    sub = Submission(recipe, Path(recipe_path), run, executor)
     check_run_dir(sub)
-    if chosen == "slurm":
-        sub.job_script = _checked_job_script(recipe, run)
+    executor.prepare(sub)
     return sub
-
-
-def _checked_job_script(recipe: Recipe, run: RunDir) -> str:
-    """The rendered job script, after Slurm said it could run it (`sbatch --test-only`)."""
-    from relax_core.launch.slurm import render_job_script, test_only
-
-    script = render_job_script(recipe, run)
-    with tempfile.TemporaryDirectory(prefix="relax-check-") as folder:
-        path = Path(folder) / "job.sbatch"
-        path.write_text(script)
-        test_only(path)
-    return script
 
 
 def check_run_dir(sub: Submission) -> None:
@@ -97,6 +85,7 @@ def is_existing_run(run: RunDir) -> bool:
 
 def check_not_live(run: RunDir) -> None:
     """Refuse a run directory whose driver holds its lock, or whose recorded job is still live."""
+    from relax_core.launch.executors import executor_named
     from relax_core.launch.status import FINAL_STATES, current_state
 
     holder = lock_holder(run)
@@ -105,21 +94,15 @@ def check_not_live(run: RunDir) -> None:
     state = run.read_state()
     if state.get("state", "dry-run") in (*FINAL_STATES, "dry-run"):
         return
+    executor = executor_named(state.get("executor"))
     try:
         status = current_state(state)
     except OSError:  # no Slurm commands on this machine: the lock is the only witness
         return
-    if _is_live(state, status):
+    if executor is not None and executor.is_live(state, status):
         job = f"Slurm job {state['job_id']}" if state.get("job_id") else f"driver (PID {state.get('pid')})"
         raise UserError(f"run directory {run.path} is in use: its {job} is {status}; wait for it to end "
                         f"or stop it with `relax cancel {run.path}`, or give another --run-dir")
-
-
-def _is_live(state: dict[str, Any], status: str) -> bool:
-    """A local driver's PID counts while it says running; a Slurm run is live while it has a queued job."""
-    if state.get("executor") == "local":
-        return status == "running"
-    return bool(state.get("job_id")) and status in LIVE_STATES
 
 
 def _check_resume_step(sub: Submission, ckpt: Path) -> None:
@@ -136,11 +119,11 @@ def dry_run_plan(sub: Submission) -> list[str]:
     """What a real submit would do; for an existing run nothing has been written."""
     name, steps = sub.recipe.name, sub.recipe.train.steps
     if not sub.existing:
-        return [f"dry run: checked and recorded; the {sub.executor} executor would start {name}"]
+        return [f"dry run: checked and recorded; the {sub.executor.name} executor would start {name}"]
     start = f"from step {sub.resume_step}" if sub.resume_step else "from the start (no checkpoint yet)"
     state = sub.run.read_state().get("state", "unknown")
     return [f"dry run: {sub.run.path} is an existing run ({state}); checked it and wrote nothing",
-            f"a submit would resume it with the {sub.executor} executor {start} to step {steps}",
+            f"a submit would resume it with the {sub.executor.name} executor {start} to step {steps}",
             *([f"  change: {describe(c)}" for c in sub.changes] or ["  the recipe is unchanged"])]
 
 
@@ -154,16 +137,5 @@ def record(sub: Submission) -> None:
         (sub.run.path / SCRIPT_NAME).write_text(sub.job_script)
     sub.run.run_id()
     # error/finished: what an earlier attempt of a resumed run ended with
-    sub.run.update_state(name=sub.recipe.name, executor=sub.executor, state="pending", error=None, finished=None,
+    sub.run.update_state(name=sub.recipe.name, executor=sub.executor.name, state="pending", error=None, finished=None,
                          total_steps=sub.recipe.train.steps, submitted=time.strftime("%Y-%m-%dT%H:%M:%S"))
-
-
-def launch_slurm(sub: Submission) -> str:
-    """Submit the recorded job script; the Ray token is written (0600) before the job can start."""
-    from relax_core.cluster.local_ray import token_env
-    from relax_core.launch.slurm import SCRIPT_NAME, submit_script
-
-    token_env(sub.run)
-    job_id = submit_script(sub.run.path / SCRIPT_NAME)
-    sub.run.update_state(job_id=job_id)
-    return job_id

@@ -7,6 +7,7 @@ import pytest
 from relax_core.algorithms.specs import algorithm_names
 from relax_core.config.loader import load_recipe
 from relax_core.errors import RecipeError
+from relax_core.launch.executors import executor_named
 from relax_core.launch.preflight import preflight
 
 NEEDS = {"ppo": ["algorithm.critic.lr=1e-5"], "opd": ["algorithm.teacher.path=Org/teacher"]}
@@ -15,7 +16,7 @@ NEEDS = {"ppo": ["algorithm.critic.lr=1e-5"], "opd": ["algorithm.teacher.path=Or
 @pytest.mark.parametrize("name", algorithm_names())
 def test_every_listed_algorithm_passes_the_submit_checks(name):
     recipe = load_recipe("recipes/quickstart.yaml", [f"algorithm.name={name}", *NEEDS.get(name, [])])
-    preflight(recipe, "recipes/quickstart.yaml", "local")  # raises RecipeError naming any problem
+    preflight(recipe, "recipes/quickstart.yaml", executor_named("local"))  # raises RecipeError naming any problem
 
 
 @pytest.mark.parametrize("name", ["ppo", "opd"])

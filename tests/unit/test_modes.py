@@ -10,6 +10,7 @@ import pytest
 from relax_core.config.loader import load_recipe
 from relax_core.controller.driver import local_cpu_sets
 from relax_core.errors import RecipeError
+from relax_core.launch.executors import executor_named
 from relax_core.launch.preflight import preflight
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
@@ -48,12 +49,12 @@ def test_async_mode_without_a_rollout_group_is_refused():
 def test_local_executor_refuses_more_than_one_node_per_group():
     recipe = load_recipe(QUICKSTART, ["mode=fully_async", "cluster.rollout.nodes=2"])
     with pytest.raises(RecipeError, match="cluster.rollout.nodes"):
-        preflight(recipe, QUICKSTART, "local")
+        preflight(recipe, QUICKSTART, executor_named("local"))
 
 
 def test_quickstart_runs_in_every_mode_by_override():
     for mode in ("colocate", "fully_async", "hybrid"):
-        preflight(load_recipe(QUICKSTART, [f"mode={mode}"]), QUICKSTART, "local")  # raises if refused
+        preflight(load_recipe(QUICKSTART, [f"mode={mode}"]), QUICKSTART, executor_named("local"))  # raises if refused
 
 
 def test_router_is_used_from_two_engines_unless_set():
