@@ -1,10 +1,14 @@
 """A private Ray cluster on this machine, for the local executor.
 
 The cluster belongs to one run: token authentication with the token in the
-run's secrets folder (mode 0600), no dashboard, a short temp dir of its own
-(Unix socket paths are limited to 107 bytes), and explicit CPU counts. It is
-stopped with `ray.shutdown()`, which ends only the processes this driver
-started, never with `ray stop`.
+run's secrets folder (mode 0600), a short temp dir of its own (Unix socket
+paths are limited to 107 bytes), and explicit CPU counts. It is closed to other
+users of the machine: every process of it listens on loopback only (Ray binds
+its servers to loopback when the node's address is loopback, which it makes it
+here as it does on laptops) and no dashboard process runs (both in
+`ray_compat.py`). It dies with the driver, even a SIGKILLed one
+(`lifetime.Reaper`), and is stopped with `ray.shutdown()`, which ends only
+the processes this driver started, never with `ray stop`.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import os
 import tempfile
 from pathlib import Path
 
+from relax_core.cluster.lifetime import Reaper
 from relax_core.launch.rundir import RunDir
 
 TOKEN_NAME = "ray_token"
 OBJECT_STORE_BYTES = 512 * 1024**2  # samples and weights of small local runs; Ray would take 30 % of RAM
+LOOPBACK = "127.0.0.1"
+_reaper: Reaper | None = None
 
 
 def token_env(run: RunDir) -> dict[str, str]:
@@ -37,11 +44,18 @@ def short_temp_dir(run: RunDir) -> Path:
 
 def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | None = None) -> Path:
     """Start a private single-node Ray cluster and connect this process to it."""
+    global _reaper
     os.environ.update(token_env(run))  # before Ray reads its configuration
-    os.environ["RELAX_NODE_IP"] = "127.0.0.1"  # engines and rendezvous bind to loopback only
+    os.environ["RELAX_NODE_IP"] = LOOPBACK  # engines and rendezvous bind to loopback only
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
+
+    from relax_core.cluster.ray_compat import single_machine, without_dashboard_process
+
+    single_machine()  # the node's address is loopback: Ray binds loopback only
+    without_dashboard_process()
     temp_dir = short_temp_dir(run)
+    _reaper = Reaper(str(temp_dir))  # before the first Ray process starts: each inherits the mark
     ray.init(
         num_cpus=num_cpus,
         resources=resources or {},
@@ -56,7 +70,11 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
 
 
 def stop_local_ray() -> None:
+    global _reaper
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    if _reaper is not None:
+        _reaper.close()
+        _reaper = None

@@ -3,10 +3,20 @@
     python -m relax_core.cluster.node RUN_DIR --group rollout --index 2 --head-address 10.0.0.5:12000
 
 runs (replacing itself with) `ray start --block` for this node: explicit
-ports from the job id, a short node-local temp dir, explicit CPU/GPU counts,
-the group's custom resource (`relax_train` / `relax_rollout`) plus one that
-names the node, the node address of the configured interface, and the run's
-token. The batch step starts the head with the same function.
+ports of a block it leases on this machine (the head: the block the batch step
+leased for it, `--port-block`), a short node-local temp dir, explicit CPU/GPU
+counts, the group's custom resource (`relax_train` / `relax_rollout`) plus one
+that names the node, the node address of the configured interface, and the
+run's token. The batch step starts the head with the same function.
+
+What listens, and where: Ray's own servers listen on the node's address where
+Ray lets them (the runtime-env agent, the dashboard agent's HTTP server); its
+core gRPC servers (GCS, raylet, object manager, workers) and the dashboard
+agent's gRPC server listen on every interface whenever the node's address is
+not loopback (Ray 2.60 has no option for one address), and require the run's
+token. No dashboard process and no autoscaler monitor run: each would listen
+on every interface too, and Relax uses neither. (The head's Ray Client server
+cannot be turned off; it listens on the node's address, on a port of the block.)
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from relax_core.cluster.local_ray import token_env
-from relax_core.cluster.ports import node_ports
+from relax_core.cluster.ports import NodePorts, block_ports, lease_ports
 from relax_core.config.schema import Recipe
 from relax_core.launch.rundir import RunDir
 
@@ -42,7 +52,8 @@ def interface_address(interface: str) -> str:
         try:
             packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))  # SIOCGIFADDR
         except OSError as exc:
-            raise RuntimeError(f"cluster.network.interface: no IPv4 address on interface '{interface}' ({exc})") from None
+            raise RuntimeError(f"cluster.network.interface: no IPv4 address on interface '{interface}' "
+                               f"({exc})") from None
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -74,19 +85,27 @@ def node_resources(recipe: Recipe, group: str, name: str) -> dict[str, float]:
 
 
 def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, name: str, address: str,
-                      job_id: int, head_address: str | None) -> list[str]:
+                      job_id: int, head_address: str | None, ports: NodePorts) -> list[str]:
     nodes = getattr(recipe.cluster, group)
-    ports = node_ports(job_id, index)
     temp_dir = Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir())) / f"rx{os.getuid()}-{job_id}-{index}"
-    # `python -m ray.scripts.scripts`, not the `ray` script: in a venv over system packages
-    # (common with HPC modules) the script is not next to the interpreter.
-    command = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats",
+    # `python -m`, not the `ray` script: in a venv over system packages (common with HPC modules) the
+    # script is not next to the interpreter. `ray_compat` is `ray start` without a dashboard process.
+    command = [sys.executable, "-m", "relax_core.cluster.ray_compat", "start", "--block", "--disable-usage-stats",
                f"--node-ip-address={address}", f"--num-cpus={nodes.cpus_per_node}",
                f"--num-gpus={nodes.gpus_per_node}", f"--resources={json.dumps(node_resources(recipe, group, name))}",
                f"--temp-dir={temp_dir}", *ports.ray_start_flags(head=head_address is None)]
     if head_address is None:
-        return command + ["--head", "--include-dashboard=false"]
+        return command + ["--head", "--include-dashboard=false", "--no-monitor"]
     return command + [f"--address={head_address}"]
+
+
+def node_ports(args: argparse.Namespace, job_id: int) -> NodePorts:
+    """The head's block as leased by the batch step, or one this node leases now and holds while it runs."""
+    if args.port_block is not None:
+        return block_ports(args.port_block)
+    lease = lease_ports(job_id, args.index)
+    lease.keep_across_exec()  # `ray start --block` holds the lock from here on
+    return lease.ports
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,13 +116,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group", choices=("train", "rollout"), required=True)
     parser.add_argument("--index", type=int, required=True, help="position of this node in the job")
     parser.add_argument("--head-address", default="", help="the head's address:port; empty on the head itself")
+    parser.add_argument("--port-block", type=int, default=None, help="the head's leased port block")
     args = parser.parse_args(argv)
     run = RunDir(Path(args.run_dir))
     recipe = load_recipe(run.recipe)
     name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     address = node_address(recipe)
+    job_id = int(os.environ["SLURM_JOB_ID"])
     command = ray_start_command(recipe, run, group=args.group, index=args.index, name=name, address=address,
-                                job_id=int(os.environ["SLURM_JOB_ID"]), head_address=args.head_address or None)
+                                job_id=job_id, head_address=args.head_address or None,
+                                ports=node_ports(args, job_id))
     print(f"relax node {name} ({args.group}, index {args.index}, {address}): {' '.join(command)}", flush=True)
     os.execve(command[0], command, node_env(recipe, run, args.group, address))
 

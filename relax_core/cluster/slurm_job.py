@@ -11,10 +11,13 @@ host even when everything else runs in a container. It starts, each as an
 
 then watches them: a node step that dies ends the job at once, naming the node
 and its log; the driver's exit code says how the run ended. On USR1 (sent by
-Slurm `signal_before_end_s` before the time limit) it tells the driver to
-checkpoint, then requeues the job, which resumes from that checkpoint. A run
-that made no progress since it started is not requeued, so a failing start-up
-cannot loop.
+Slurm `signal_before_end_s` before the time limit) it tells the driver to stop:
+the driver aborts the rollout in progress and checkpoints the last completed
+step within seconds; then this step requeues the job, which resumes from that
+checkpoint. A run whose newest checkpoint is no newer than the one it started
+from made no progress and is not requeued, so a failing start-up cannot loop.
+It holds the run directory's driver lock for its whole life, so no local
+driver or second job drives the same run meanwhile.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relax_core.cluster.ports import node_ports
+from relax_core.cluster.ports import NodePorts, lease_ports
 from relax_core.config.schema import Recipe
-from relax_core.launch.rundir import RunDir
+from relax_core.errors import UserError
+from relax_core.launch.rundir import DriverLock, RunDir
 
 # Exit codes of the driver step.
 DRIVER_COMPLETED, DRIVER_STOPPED, DRIVER_STARTUP_FAILED = 0, 3, 4
@@ -42,7 +46,7 @@ class Allocation:
     groups: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def from_environ(cls, has_rollout_group: bool) -> "Allocation":
+    def from_environ(cls, has_rollout_group: bool) -> Allocation:
         env = os.environ
         if has_rollout_group:
             groups = {"train": hostnames(env["SLURM_JOB_NODELIST_HET_GROUP_0"]),
@@ -100,10 +104,11 @@ class JobSteps:
             proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return Step(node if job_name.startswith("ray") else job_name, log_path, proc)
 
-    def start_nodes(self, head_address: str) -> None:
+    def start_nodes(self, head_address: str, head_block: int) -> None:
         for name, group, index in self.alloc.nodes():
             argv = ["relax_core.cluster.node", str(self.run.path), "--group", group, "--index", str(index),
                     "--head-address", "" if index == 0 else head_address]
+            argv += ["--port-block", str(head_block)] if index == 0 else []
             self.nodes.append(self.srun(group, name, f"ray-{name}", argv, self.run.logs / f"ray-{name}.log"))
 
     def start_driver(self) -> None:
@@ -155,10 +160,10 @@ def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         pass
 
 
-def head_address(recipe: Recipe, alloc: Allocation) -> str:
+def head_address(recipe: Recipe, ports: NodePorts) -> str:
     from relax_core.cluster.node import node_address
 
-    return f"{node_address(recipe)}:{node_ports(alloc.job_id, 0).gcs}"
+    return f"{node_address(recipe)}:{ports.gcs}"
 
 
 def _now() -> str:
@@ -169,10 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     from relax_core.config import load_recipe
 
     run = RunDir(Path((argv or sys.argv[1:])[0]).resolve())
+    try:  # the run's driver lock, held until this batch step ends (the submitting node cannot hold it)
+        _lock = DriverLock(run).acquire()
+    except UserError as exc:  # another driver owns the run: leave its run.json alone
+        print(f"relax: {exc}", file=sys.stderr, flush=True)
+        return 2
     recipe = load_recipe(run.recipe)
     alloc = Allocation.from_environ(bool(recipe.cluster.rollout.nodes))
     start_step = run.read_state().get("checkpoint_step", 0)
-    head = head_address(recipe, alloc)
+    head_lease = lease_ports(alloc.job_id, 0)  # this step runs on the head's machine, and holds it until it ends
+    head = head_address(recipe, head_lease.ports)
     run.update_state(state="running", job_id=str(alloc.job_id), restart_count=alloc.restart_count,
                      nodes=alloc.groups, ray_head=head, started=_now(), error=None)
     steps = JobSteps(recipe, run, alloc)
@@ -185,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, on_usr1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: stop the steps on the way out
     try:
-        steps.start_nodes(head)
+        steps.start_nodes(head, head_lease.ports.block)
         steps.start_driver()
         code, node_failure = steps.supervise()
     finally:

@@ -2,9 +2,11 @@
 
     Job (model dir, engines, trainers)  ->  train_<mode>(job)  ->  stop everything it started
 
-`run_local` brings up a private Ray cluster on this machine first; on Slurm
-the batch step (`relax_core.cluster.slurm_job`) brings up the cluster across
-the allocation and then calls `run_job`.
+`run_driver` (the local executor) brings up a private Ray cluster on this
+machine first, and USR1 or TERM to it stop the run; on Slurm the batch step
+(`relax_core.cluster.slurm_job`) brings up the cluster across the allocation
+and then calls `run_job`. A stop aborts generation at once and checkpoints the
+last completed step (`preemption.py`).
 """
 
 from __future__ import annotations
@@ -40,20 +42,27 @@ def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | N
         "completed", or "stopped" when `stop` ended the run early.
     """
     from relax_core.controller.job import Job
+    from relax_core.controller.preemption import abort_generation_on_stop
 
     module, _, name = LOOPS[recipe.mode].partition(":")
     train_loop = getattr(importlib.import_module(module), name)
     job = Job(recipe, run, console, stop=stop, cpu_sets=cpu_sets)
     try:
-        return train_loop(job)
+        with abort_generation_on_stop(job):
+            return train_loop(job)
     finally:
         job.close()
 
 
 def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
-    """The local executor's driver: a private Ray cluster on this machine, then the job."""
+    """The local executor's driver: a private Ray cluster on this machine, then the job.
+
+    Returns:
+        "completed", or "stopped" when USR1 or TERM ended the run early (checkpointed).
+    """
     from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
     from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from relax_core.controller.preemption import stop_on_signals
 
     setup_logging(run)
     # + 2: TransferQueue's controller and storage unit each hold a Ray CPU (the asynchronous modes);
@@ -62,8 +71,10 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
     slots = {TRAIN_RESOURCE: recipe.train_ranks,
              ROLLOUT_RESOURCE: recipe.rollout.num_engines * max(recipe.rollout.gpus_per_engine, 1)}
     start_local_ray(run, num_cpus=cpus, resources=slots)
+    stop = threading.Event()
+    stop_on_signals(stop)  # after Ray's start-up, which installs a TERM handler of its own
     try:
-        return run_job(recipe, run, console, cpu_sets=local_cpu_sets(recipe))
+        return run_job(recipe, run, console, stop=stop, cpu_sets=local_cpu_sets(recipe))
     finally:
         stop_local_ray()
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from relax_core.cluster.node import ROLLOUT_RESOURCE
 
@@ -40,6 +41,7 @@ class EngineSpec:
     max_running_requests: int
     gpus: int = 0
     cpus: list[int] | None = None  # cores to pin the engine to (local executor), None: no pinning
+    trust_remote_code: bool = False  # the model directory's own code may run (model.trust_remote_code)
 
 
 class EngineSet:
@@ -67,7 +69,7 @@ class EngineSet:
         self._next_index += 1
         actor = self._ray.remote(num_cpus=0, num_gpus=s.gpus, resources={ROLLOUT_RESOURCE: max(s.gpus, 1)})(
             EngineWorker).remote(index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads,
-                                 s.seed, s.max_running_requests, s.cpus)
+                                 s.seed, s.max_running_requests, s.cpus, s.trust_remote_code)
         return actor
 
     def connect(self, urls: list[str]) -> None:
@@ -133,10 +135,15 @@ class EngineSet:
 
     # ------------------------------------------------------------ shutdown
     def stop(self) -> None:
+        """Stop the router and every engine started, also those launched but never connected (a set-up
+        that failed half-way), then end their actors."""
         if self.router is not None:
             self.router.stop()
-        refs = [a.stop.remote() for a in self.actors.values()]
+        actors = list({id(a): a for a in [*self.actors.values(), *self._launched]}.values())
+        refs = [a.stop.remote() for a in actors]
         try:
             self._ray.get(refs, timeout=30)
         except Exception as exc:  # shutting down: report and go on
             log.warning("stopping %d engines failed: %s", len(refs), exc)
+        for actor in actors:
+            self._ray.kill(actor)

@@ -1,9 +1,9 @@
 """A running job: its trainer ranks, engines, rollout manager, data and metrics.
 
 `Job` owns every process the run started (Ray actors and the engine
-servers they launch) and stops them on `close()`. The training loops
+servers they launch) and stops them on `close()`, or as soon as its set-up fails. The training loops
 (`colocate.py`) call its verbs: `rollout`, `train`, `sync_weights`,
-`checkpoint`, `resume`, `log`.
+`checkpoint`, `resume`, `log`, `step_done`, and `stop_here` when told to stop.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from relax_core.cluster.node import TRAIN_RESOURCE
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
+from relax_core.controller.preemption import Preempted
 from relax_core.controller.workers import TrainerWorker
 from relax_core.launch.rundir import RunDir
 from relax_core.rollout.types import Sample
@@ -36,30 +37,45 @@ class Job:
 
         from relax_core.data.prompts import build_prompt_source
         from relax_core.metrics.tracker import MetricsTracker
+        from relax_core.rewards.hub import check_routes
 
         self.recipe, self.run = recipe, run
         self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
         self.cpu_sets = cpu_sets or {}
         self.loop = asyncio.new_event_loop()
         self.model_dir = setup.prepare_model_dir(recipe, run)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir,
+                                                       trust_remote_code=setup.trust_remote_code(recipe))
         self.prompts = build_prompt_source(recipe.data)
-        self.ckpt_dir = recipe.checkpoint.dir or str(run.checkpoints)
+        if isinstance(recipe.data, FileData) and recipe.data.reward_key:  # before anything is started
+            check_routes(self.prompts.reward_names(), recipe.data.reward_key, recipe.reward.plugin_dirs)
+        self.ckpt_dir = str(run.checkpoint_dir(recipe))
         self.policy_version = 0
+        self.completed: tuple[int, dict] = (0, {})  # the last completed step and its prompt cursor
+        self.checkpointed = 0  # the newest step with a checkpoint
         self.trainers: list = []
         self._ray = ray
+        self.engines = None
+        try:
+            self._start_processes()
+            self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.tensorboard else None,
+                                          recipe.train.steps, console)
+        except BaseException:
+            self.close()  # a failed set-up stops what it already started before the error propagates
+            raise
+
+    # ------------------------------------------------------------ start-up
+    def _start_processes(self) -> None:
+        """Engines and trainers (loading their models in parallel), then the router, reward hub, manager."""
         self.engines = self._engine_set()
-        engines_ready = self.engines.launch(recipe.rollout.num_engines)
+        engines_ready = self.engines.launch(self.recipe.rollout.num_engines)
         trainers_ready = self._start_trainers()
-        urls = ray.get(engines_ready)  # engines and trainers load their models in parallel
-        ray.get(trainers_ready)
+        urls = self._ray.get(engines_ready)
+        self._ray.get(trainers_ready)
         log.info("engines ready: %s", ", ".join(urls))
         self.engines.connect(urls)
         self._connect()
-        self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.tensorboard else None,
-                                      recipe.train.steps, console)
 
-    # ------------------------------------------------------------ start-up
     def _threads(self, group: str) -> int:
         """Torch threads per process: a node's cores split between the processes it hosts.
 
@@ -80,7 +96,8 @@ class Job:
         self.run.write_secret(ENGINE_KEY)
         group = rollout_group_name(self.recipe)
         spec = EngineSpec(str(self.model_dir), str(self.run.logs), self.run.secret(ENGINE_KEY), self._threads(group),
-                          self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group))
+                          self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group),
+                          trust_remote_code=setup.trust_remote_code(self.recipe))
         return EngineSet(self._ray, spec, bucket_bytes=int(self.recipe.train.weight_sync_bucket_mb * 2**20),
                          router=self._router())
 
@@ -88,11 +105,10 @@ class Job:
         """The router in front of the engines, when the recipe asks for one (`rollout.router`)."""
         if not self.recipe.rollout.uses_router:
             return None
-        from relax_core.controller.workers import free_port, node_ip
+        from relax_core.controller.workers import node_ip
         from relax_core.rollout.router import Router
 
-        host = node_ip()
-        return Router(host, free_port(host), str(self.model_dir), self.run.secret(ENGINE_KEY),
+        return Router(node_ip(), None, str(self.model_dir), self.run.secret(ENGINE_KEY),
                       str(self.run.logs / "router.log"))
 
     def _start_trainers(self) -> list:
@@ -139,11 +155,17 @@ class Job:
         `manager`/`loop`: those of the calling thread (the asynchronous modes roll out in their own thread).
         """
         from relax_core.controller.sampling_rounds import collect_batch
+        from relax_core.rollout.client import EngineError, GenerationAborted
 
         manager, loop = manager or self.rollout_manager, loop or self.loop
         ro, algo = self.recipe.rollout, self.recipe.algorithm
-        samples, stats = collect_batch(lambda r: self._generate_round(step, r, manager, loop), algo,
-                                       max_new_tokens=ro.max_new_tokens, target_groups=ro.prompts_per_step)
+        try:
+            samples, stats = collect_batch(lambda r: self._generate_round(step, r, manager, loop), algo,
+                                           max_new_tokens=ro.max_new_tokens, target_groups=ro.prompts_per_step)
+        except (GenerationAborted, EngineError) as exc:
+            if self.stop.is_set():  # the engines were told to abort (controller/preemption.py)
+                raise Preempted(f"the rollout of step {step} was aborted: the run is stopping") from exc
+            raise
         if getattr(algo, "dynamic_sampling", None) is not None:  # DAPO: log what the rounds did
             manager.last_reward_stats = manager.last_reward_stats | stats.as_metrics()
         return samples
@@ -151,6 +173,8 @@ class Job:
     def _generate_round(self, step: int, round_index: int, manager, loop) -> list[Sample]:
         # Round r > 0 of a step samples with its own seeds and group ids (the manager derives both from this key).
         key = step + round_index * ROUND_KEY_STRIDE
+        if self.stop.is_set():
+            raise Preempted(f"step {step} not rolled out: the run is stopping")
         rows = self.prompts.next_batch(self.recipe.rollout.prompts_per_step)
         return loop.run_until_complete(manager.generate(rows, key))
 
@@ -179,19 +203,47 @@ class Job:
         progress = {"step": step, "data": data, "policy_version": step}
         keep = self.recipe.checkpoint.keep_last
         self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep) for t in self.trainers])
+        self.checkpointed = step
         self.run.update_state(checkpoint_step=step)
 
-    def resume(self) -> int:
-        """Continue from the latest checkpoint, if any; returns the last completed step."""
-        from relax_core.checkpoint import find_latest
+    def step_done(self, step: int, data_state: dict | None = None) -> None:
+        """`step` is complete: a stop from now on checkpoints it, with the prompt cursor as of its end
+        (`data_state`, when rollout runs ahead; else the cursor now, before the next step takes prompts)."""
+        self.completed = (step, dict(data_state if data_state is not None else self.prompts.state_dict()))
 
-        if not self.recipe.checkpoint.resume or find_latest(self.ckpt_dir) is None:
-            return 0
+    def stop_here(self) -> str:
+        """The run was told to stop: checkpoint the last completed step (unless it already is); the
+        partial step's samples are dropped and a resumed run regenerates them."""
+        step, data_state = self.completed
+        if step > self.checkpointed:
+            self.checkpoint(step, data_state)
+        log.info("stopping: step %d is the last completed one", step)
+        return "stopped"
+
+    def resume(self) -> int:
+        """Continue from the latest checkpoint, if any; returns the last completed step.
+
+        The checkpoint directory must be this run's own (it is claimed on first use), and what an
+        interrupted attempt logged after the checkpoint is dropped: those steps run again.
+        """
+        from relax_core.checkpoint import find_latest
+        from relax_core.checkpoint.owner import claim
+        from relax_core.launch.same_run import fingerprint
+
+        claim(self.ckpt_dir, self.run.run_id(), self.run.path, fingerprint(self.recipe.model_dump(mode="json")))
+        resuming = self.recipe.checkpoint.resume and find_latest(self.ckpt_dir) is not None
+        step = self._load_latest() if resuming else 0
+        self.tracker.resume_from(step)
+        return step
+
+    def _load_latest(self) -> int:
         progress = self._ray.get([t.load_checkpoint.remote(self.ckpt_dir) for t in self.trainers])[0]
         self.prompts.load_state_dict(progress["data"])
         self.sync_weights(int(progress["policy_version"]))
         log.info("resumed from %s at step %d", self.ckpt_dir, progress["step"])
-        return int(progress["step"])
+        self.checkpointed = int(progress["step"])
+        self.completed = (self.checkpointed, dict(progress["data"]))
+        return self.checkpointed
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.tracker.log(step, metrics)
@@ -203,7 +255,10 @@ class Job:
             self._ray.get(refs, timeout=30)
         except Exception as exc:  # shutting down: report and go on stopping the rest
             log.warning("closing %d trainers failed: %s", len(refs), exc)
-        self.engines.stop()
+        for trainer in self.trainers:  # their processes end now, not whenever the handles are collected
+            self._ray.kill(trainer)
+        if self.engines is not None:
+            self.engines.stop()
         if hasattr(self, "rollout_manager"):
             self.rollout_manager.close(self.loop)
         if hasattr(self, "reward_hub"):

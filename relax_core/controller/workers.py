@@ -6,27 +6,29 @@ owns the weight broadcaster). `EngineWorker` starts one rollout engine server
 is healthy, and stops it by PID. Both are plain classes; the controller wraps
 them with `ray.remote` and places them with the `relax_train` /
 `relax_rollout` resources.
+
+No port is chosen and then bound later by someone else: the engine server is
+handed a socket already listening on its port, the data-parallel rendezvous
+store and the weight-update group listen on port 0 and report the port the
+kernel gave them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from relax_core.cluster.lifetime import die_with_parent
+from relax_core.cluster.ports import listening_socket
+
 ENGINE_READY_TIMEOUT_S = 300.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+RENDEZVOUS_TIMEOUT = 600  # seconds the data-parallel ranks wait for each other
 
 
 def node_ip() -> str:
@@ -53,9 +55,9 @@ def pin_process(cpus: list[int]) -> None:
 
 
 def collective_backend() -> str:
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo, also on a node with GPUs: the torch trainer and the cpu engine hold CPU tensors (GPU recipes are
+    refused by launch/preflight.py), which an NCCL group cannot carry. NCCL comes with the GPU backends."""
+    return "gloo"
 
 
 class TrainerWorker:
@@ -68,11 +70,30 @@ class TrainerWorker:
         self.trainer = None
         self.snapshot = None  # (version, [(name, tensor)]) taken after a step in the asynchronous modes
         self.sent = None  # (version, tensors or None for the live weights) of the last broadcast
+        self.store = None  # rank 0: the data-parallel group's rendezvous store, which it hosts
 
     def rendezvous_address(self) -> str:
-        """Rank 0: an address:port on its node for the data-parallel group."""
+        """Rank 0: host the data-parallel group's store on its node; returns its address:port
+        ("" for a single rank, which forms no group)."""
+        import torch.distributed as dist
+
+        if self.world_size == 1:
+            return ""
         host = node_ip()
-        return f"{host}:{free_port(host)}"
+        sock = listening_socket(host)  # the store takes this socket over: it listens on `host` only
+        port = sock.getsockname()[1]
+        self.store = dist.TCPStore(host, port, self.world_size, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT), master_listen_fd=sock.detach())
+        return f"{host}:{port}"
+
+    def _rendezvous_store(self, master: str):
+        import torch.distributed as dist
+
+        if self.store is not None:
+            return self.store
+        host, _, port = master.rpartition(":")
+        return dist.TCPStore(host, int(port), self.world_size, is_master=False,
+                             timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
 
     def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None) -> int:
         import torch
@@ -84,7 +105,7 @@ class TrainerWorker:
             pin_process(cpus)
         torch.set_num_threads(threads)
         if self.world_size > 1:
-            dist.init_process_group(collective_backend(), init_method=f"tcp://{master}", rank=self.rank,
+            dist.init_process_group(collective_backend(), store=self._rendezvous_store(master), rank=self.rank,
                                     world_size=self.world_size)
         self.model_dir = model_dir
         self.trainer = TorchTrainer(model_dir, config)
@@ -108,8 +129,7 @@ class TrainerWorker:
         host = node_ip()
         self.api_key = api_key
         clients = [EngineClient(url, api_key=api_key) for url in urls]
-        self.broadcaster = WeightBroadcaster(clients, host, free_port(host), backend=collective_backend(),
-                                             bucket_bytes=bucket_bytes)
+        self.broadcaster = WeightBroadcaster(clients, host, backend=collective_backend(), bucket_bytes=bucket_bytes)
         self.loop.run_until_complete(self.broadcaster.init())
 
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
@@ -137,8 +157,7 @@ class TrainerWorker:
         from relax_core.rollout.client import EngineClient
 
         clients = [EngineClient(url, api_key=self.api_key) for url in urls]
-        host = node_ip()
-        self.loop.run_until_complete(self.broadcaster.set_engines(clients, free_port(host)))
+        self.loop.run_until_complete(self.broadcaster.set_engines(clients))
         if resend and self.sent is not None:
             self._broadcast(*self.sent)
 
@@ -162,43 +181,40 @@ class TrainerWorker:
             self.loop.run_until_complete(self.broadcaster.close())
 
 
-def _in_child(cpus: list[int] | None) -> None:
-    """In the engine's process before it starts: die with the actor, run on the given cores."""
-    _die_with_parent()
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the actor that started us dies, however it dies.
+def _in_child(parent_pid: int, cpus: list[int] | None) -> None:
+    """In the engine's process before it starts: die with the actor, run on the given cores.
 
     The engine runs in its own session (so a Ctrl-C meant for the driver does
-    not reach it); without this an actor killed by Ray would leave it behind.
+    not reach it); without dying with the actor, an actor killed by Ray would
+    leave it behind.
     """
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(parent_pid)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 class EngineWorker:
     """Starts one engine server process and stops it by PID."""
 
     def __init__(self, index: int, model_dir: str, log_path: str, api_key: str,
-                 threads: int, seed: int, max_running_requests: int, cpus: list[int] | None = None):
+                 threads: int, seed: int, max_running_requests: int, cpus: list[int] | None = None,
+                 trust_remote_code: bool = False):
         self.host = node_ip()  # bind to the cluster's interface only
-        self.port = free_port(self.host)
+        sock = listening_socket(self.host)  # the engine serves on this very socket: its port stays ours
+        self.port = sock.getsockname()[1]
         self.log_path = Path(log_path)
         command = [
             sys.executable, "-m", "relax_core.rollout.cpu_engine", "--model-path", model_dir, "--host", self.host,
-            "--port", str(self.port), "--num-threads", str(threads),
+            "--port", str(self.port), "--fd", str(sock.fileno()), "--num-threads", str(threads),
             "--seed", str(seed + index), "--max-running-requests", str(max_running_requests), "--weight-version", "0",
-        ]
+        ] + (["--trust-remote-code"] if trust_remote_code else [])
         # The key travels in the environment, which other users cannot read (unlike the command line).
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key}
-        with self.log_path.open("ab") as log:
+        parent = os.getpid()
+        with self.log_path.open("ab") as log, sock:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=lambda: _in_child(cpus))
+                                         pass_fds=[sock.fileno()], start_new_session=True,
+                                         preexec_fn=lambda: _in_child(parent, cpus))
 
     @property
     def url(self) -> str:

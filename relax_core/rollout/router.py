@@ -9,6 +9,10 @@ runtime through the router's worker API (`POST /workers`,
 
 Security, on a shared cluster:
 - the router binds only the given host (metrics too, on their own port);
+  sglang-router cannot be handed a bound socket, so its ports are picked free
+  just before it starts, and picked again when another process took one first;
+- the router dies with the process that started it (`lifetime.die_with_parent`),
+  even when that one is killed with SIGKILL;
 - one key guards both hops: the router's own `--api-key` makes it answer 401
   to any request without `Authorization: Bearer KEY` (health probes aside),
   and the router sends the same bearer key to the engines (SGLang's and the
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -42,11 +45,16 @@ from typing import Any
 
 import httpx
 
+from relax_core.cluster.lifetime import child_of_this_process
+from relax_core.cluster.ports import candidate_port
+
 ROUTER_KEY_ENV = "RELAX_ROUTER_API_KEY"
 DRAIN_POLL_S = 0.1
 # Consecutive idle readings before an engine counts as drained: covers a
 # request the router forwarded just before removal that is still on the wire.
 DRAIN_IDLE_READINGS = 5
+BIND_ATTEMPTS = 5  # fresh ports tried when another process took the picked ones first
+PORT_TAKEN = "Address already in use"
 
 
 # cache_aware sends a request to the engine whose cache holds the longest prefix of it only when that
@@ -61,18 +69,12 @@ class RouterError(RuntimeError):
     """The router refused a command, died, or did not get ready in time."""
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class Router:
     """An sglang-router process in front of the rollout engines (started and stopped by PID).
 
     Args:
         host: the only address the router (and its metrics endpoint) binds.
-        port: the router's port.
+        port: the router's port (default: a free one, picked at start).
         tokenizer_path: a local tokenizer directory; without it the router
             would fetch one from the Hugging Face hub.
         api_key: required from the router's clients and sent to the engines.
@@ -85,7 +87,7 @@ class Router:
     def __init__(
         self,
         host: str,
-        port: int,
+        port: int | None,
         tokenizer_path: str,
         api_key: str,
         log_path: str,
@@ -97,12 +99,14 @@ class Router:
     ) -> None:
         if not api_key:
             raise ValueError("the router needs an api_key: it must not accept commands from anyone")
-        self.host, self.port, self.policy = host, port, policy
+        self.host, self.policy = host, policy
         self.tokenizer_path, self.log_path, self.log_level = tokenizer_path, log_path, log_level
-        self.metrics_port = metrics_port
+        self._given_ports = (port, metrics_port)
+        self.port, self.metrics_port = port, metrics_port
         self.cache_threshold = cache_threshold
         self._api_key = api_key
         self._proc: subprocess.Popen | None = None
+        self._log_start = 0  # where the current start's output begins in the log
 
     @property
     def url(self) -> str:
@@ -116,8 +120,6 @@ class Router:
     # ------------------------------------------------------------ lifecycle
     def command(self, worker_urls: Sequence[str]) -> list[str]:
         """The router's command line (without the key, which travels in the environment)."""
-        if self.metrics_port is None:
-            self.metrics_port = free_port(self.host)
         return [
             sys.executable, "-m", "relax_core.rollout.router",
             "--host", self.host, "--port", str(self.port), "--policy", self.policy,
@@ -131,15 +133,32 @@ class Router:
         """Start the router and wait until it routes to every URL in `worker_urls`; returns its URL."""
         if self._proc is not None and self._proc.poll() is None:
             raise RouterError(f"router already running (pid {self._proc.pid})")
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            try:
+                self._launch(worker_urls)
+                self._wait_for_workers(set(worker_urls), timeout_s)
+                return self.url
+            except BaseException as exc:
+                self.stop()
+                if not self._may_retry(exc, attempt):
+                    raise
+        raise RouterError("unreachable")  # the last attempt re-raised
+
+    def _may_retry(self, exc: BaseException, attempt: int) -> bool:
+        """Another process took a port we picked: try fresh ones (never ports the caller chose)."""
+        picked = None in self._given_ports
+        return isinstance(exc, RouterError) and PORT_TAKEN in str(exc) and picked and attempt < BIND_ATTEMPTS
+
+    def _launch(self, worker_urls: list[str]) -> None:
+        """One start of the router process, on the given ports or freshly picked ones."""
+        given_port, given_metrics = self._given_ports
+        self.port = given_port or candidate_port(self.host)
+        self.metrics_port = given_metrics or candidate_port(self.host)
         env = dict(os.environ, **{ROUTER_KEY_ENV: self._api_key})
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(self.command(worker_urls), stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            self._wait_for_workers(set(worker_urls), timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self.url
+            self._log_start = log.tell()
+            self._proc = subprocess.Popen(self.command(worker_urls), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          preexec_fn=child_of_this_process())
 
     def stop(self) -> None:
         """Terminate the router by its PID (idempotent)."""
@@ -175,7 +194,8 @@ class Router:
     def _check_alive(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
             code = None if self._proc is None else self._proc.returncode
-            raise RouterError(f"router exited ({code}); see {self.log_path}:\n{_tail(self.log_path)}")
+            raise RouterError(f"router exited ({code}); see {self.log_path}:\n"
+                              f"{_tail(self.log_path, start=self._log_start)}")
 
     @property
     def _headers(self) -> dict[str, str]:
@@ -271,10 +291,12 @@ def _expect(response: httpx.Response, ok: tuple[int, ...], what: str) -> None:
         raise RouterError(f"{what}: {response.request.url} -> {response.status_code}: {response.text[:500]}")
 
 
-def _tail(path: str, chars: int = 3000) -> str:
+def _tail(path: str, chars: int = 3000, start: int = 0) -> str:
+    """The end of a log, from byte `start` on (what one start of the process wrote)."""
     try:
-        with open(path, errors="replace") as f:
-            return f.read()[-chars:]
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace")[-chars:]
     except OSError:
         return ""
 

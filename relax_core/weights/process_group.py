@@ -16,7 +16,9 @@ SGLang's `init_custom_process_group`, verl and OpenRLHF build it: its own
 `_new_process_group_helper` with an empty rank list, which makes a group that
 is independent of any default group, registered so that the ordinary
 `torch.distributed.broadcast(tensor, src=0, group=group)` works on it.
-The private torch calls are confined to this module.
+The private torch calls are confined to this module. Rank 0's store serves
+on a socket bound before the port is announced (`ports.listening_socket`), so
+no other process can take the port in between.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from relax_core.cluster.ports import listening_socket
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -43,6 +47,7 @@ def init_weight_update_group(
     group_name: str = "weight_update_group",
     backend: str = "gloo",
     timeout: timedelta = DEFAULT_TIMEOUT,
+    listen_sock: socket.socket | None = None,
 ) -> dist.ProcessGroup:
     """Join (rank 0: create) a weight-update group; blocks until all ranks joined.
 
@@ -55,6 +60,8 @@ def init_weight_update_group(
         world_size: 1 + the number of engine ranks.
         group_name: unique per live group in a process.
         backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors).
+        listen_sock: rank 0: the socket its store serves on, already listening on
+            `master_address:master_port` (default: bound here).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a group of world size {world_size}")
@@ -65,7 +72,8 @@ def init_weight_update_group(
         is_master=rank == 0,
         timeout=timeout,
         wait_for_workers=False,
-        master_listen_fd=_listening_fd(master_address, master_port) if rank == 0 else None,
+        # The store's own server would listen on every interface: it gets a socket on the address only.
+        master_listen_fd=(listen_sock or listening_socket(master_address, master_port)).detach() if rank == 0 else None,
     )
     group = _new_group(store, rank, world_size, group_name, backend, timeout)
     _STORES[group] = store
@@ -77,17 +85,6 @@ def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
     when the set of engines changes)."""
     dist.destroy_process_group(group)
     _STORES.pop(group, None)  # the store closes its listening socket when freed
-
-
-def _listening_fd(address: str, port: int) -> int:
-    """A socket listening on `address` only, handed over to (and closed by) TCPStore,
-    whose own server would listen on every interface."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((address, port))
-    sock.listen(128)
-    return sock.detach()
 
 
 def _new_group(store, rank, world_size, group_name, backend, timeout) -> dist.ProcessGroup:

@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from relax_core.cluster.ports import listening_socket
 from relax_core.rollout.client import EngineClient
 from relax_core.weights.process_group import (
     DEFAULT_TIMEOUT,
@@ -63,7 +64,8 @@ class WeightBroadcaster:
     Args:
         clients: one client per engine.
         master_address: this (trainer) host's address as the engines reach it.
-        master_port: free TCP port on this host for the group's rendezvous.
+        master_port: TCP port on this host for the group's rendezvous; 0: a free one, bound before
+            the engines are told it (`self.master_port` says which, after `init`).
         group_name: name of the group on both sides.
         backend: "gloo" (CPU engines) or "nccl" (SGLang on GPU).
         bucket_bytes: upper bound of one bucket (a larger tensor goes alone).
@@ -74,7 +76,7 @@ class WeightBroadcaster:
         self,
         clients: list[EngineClient],
         master_address: str,
-        master_port: int,
+        master_port: int = 0,
         group_name: str = "weight_update_group",
         backend: str = "gloo",
         bucket_bytes: int = 512 << 20,
@@ -101,6 +103,8 @@ class WeightBroadcaster:
         """Create the group: this process as rank 0 while every engine joins."""
         if self.group is not None:
             raise RuntimeError("the weight-update group already exists; call close() or set_engines()")
+        sock = listening_socket(self.master_address, self.master_port)
+        self.master_port = sock.getsockname()[1]
         own = asyncio.to_thread(
             init_weight_update_group,
             self.master_address,
@@ -110,6 +114,7 @@ class WeightBroadcaster:
             self.group_name,
             self.backend,
             self.timeout,
+            sock,
         )
         joins = [self._join(i, client) for i, client in enumerate(self.clients)]
         results = await asyncio.gather(own, *joins, return_exceptions=True)
@@ -185,11 +190,12 @@ class WeightBroadcaster:
     async def set_engines(self, clients: list[EngineClient], master_port: int | None = None) -> None:
         """Re-create the group for a new set of engines (e.g. after a scale-out).
 
-        A fresh `master_port` avoids waiting for the old rendezvous port.
+        The new group rendezvous on `master_port`, by default on a fresh free port (the old one may
+        still be held by the closed group's store).
         """
         await self.close()
         self.clients = list(clients)
-        self.master_port = master_port or self.master_port
+        self.master_port = master_port or 0
         await self.init()
 
 

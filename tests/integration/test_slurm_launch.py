@@ -1,8 +1,9 @@
 """`relax submit --executor slurm` against a real Slurm cluster (4 node names on this host).
 
 A heterogeneous job brings up Ray across both groups and runs the quick start
-to completion; preemption checkpoints, requeues and resumes; a node whose Ray
-worker cannot start fails the job with its name; the Ray cluster refuses
+to completion; preemption in the middle of a rollout checkpoints at once,
+requeues and resumes; a node whose Ray worker cannot start fails the job with
+its name; the Ray cluster refuses
 drivers without the run's token; and what Slurm can refuse is refused before
 anything is submitted.
 """
@@ -17,6 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+# Steps made long by generation, and how to read a run's checkpoints: shared with the local test.
+from test_preemption import CHECKPOINT_WITHIN_S, LONG_STEPS, PROMPTS_PER_STEP, latest_checkpoint, saved_progress
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -90,50 +94,86 @@ def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp
 
 @pytest.mark.slow
 def test_ray_cluster_refuses_a_driver_without_the_token(slurm_cluster, tmp_path):
+    """An outsider is turned away at once: the GCS answers UNAUTHENTICATED within milliseconds, and a
+    `ray.init` without the token fails within seconds (each of Ray's connect retries is refused; a
+    client allowed 3 of them, as here, gives up after about 3 s, one with Ray's default 20 after 20 s)."""
     submit(tmp_path, "runs/sec", "train.steps=400", "checkpoint.interval=1000")
     run = tmp_path / "runs" / "sec"
     wait_for(lambda: steps_done(run, 1), 240, "the first step")
     head = json.loads((run / "run.json").read_text())["ray_head"]
-    attach = ("import ray, sys\n"
-              "try:\n    ray.init(address=sys.argv[1]); print('ATTACHED', ray.cluster_resources())\n"
-              "except Exception as exc:\n    print('REFUSED', type(exc).__name__, exc)\n")
+    token = (run / "secrets" / "ray_token").read_text().strip()
+    for outsider in ("", "not-the-token"):
+        code, seconds = gcs_answer(head, outsider)
+        assert code == "UNAUTHENTICATED" and seconds < 5, (code, seconds)
+    assert gcs_answer(head, token)[0] == "OK"  # the same request with the run's token is answered
     wrong = tmp_path / "wrong_token"
     wrong.write_text("not-the-token")
     wrong.chmod(0o600)
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {"RAY_NUM_REDIS_GET_RETRIES": "3"}
     for env in (clean, clean | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)}):
-        proc = subprocess.run([sys.executable, "-c", attach, head], env=env, capture_output=True, text=True,
-                              timeout=120, cwd=tmp_path)
+        proc, seconds = attach(head, env, tmp_path)
         assert "REFUSED" in proc.stdout and "ATTACHED" not in proc.stdout, proc.stdout + proc.stderr
+        assert seconds < 30 and "Authentication token is missing or incorrect" in proc.stderr, (seconds, proc.stderr)
     right = clean | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(run / "secrets" / "ray_token")}
-    proc = subprocess.run([sys.executable, "-c", attach, head], env=right, capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+    proc, _ = attach(head, right, tmp_path)
     assert "ATTACHED" in proc.stdout, proc.stdout + proc.stderr  # the same check does pass with the token
     assert relax("cancel", "runs/sec", cwd=tmp_path).returncode == 0
     assert wait_for(lambda: status(tmp_path, "runs/sec")["state"] == "cancelled", 60, "the cancel")
 
 
+def gcs_answer(head: str, token: str) -> tuple[str, float]:
+    """The GCS's answer to one request (its cluster id), sent with `token` (or none), and how long it took."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    start = time.monotonic()
+    with grpc.insecure_channel(head) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), metadata=metadata, timeout=10)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+    return code, time.monotonic() - start
+
+
+def attach(head: str, env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """`ray.init(address=head)` in a fresh process; returns it and how long it took."""
+    code = ("import ray, sys\n"
+            "try:\n    ray.init(address=sys.argv[1]); print('ATTACHED', ray.cluster_resources())\n"
+            "except Exception as exc:\n    print('REFUSED', type(exc).__name__, exc)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, head], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=cwd)
+    return proc, time.monotonic() - start
+
+
 @pytest.mark.slow
-def test_preemption_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
-    job_id = submit(tmp_path, "runs/pre", "train.steps=40", "checkpoint.interval=1000")
+def test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes(slurm_cluster, tmp_path):
+    """USR1 to the batch step in the middle of a long rollout, as Slurm sends it `signal_before_end_s`
+    before the time limit: the last completed step is checkpointed within seconds, the job requeues
+    itself, and the rerun regenerates the dropped step."""
+    job_id = submit(tmp_path, "runs/pre", *LONG_STEPS)
     run = tmp_path / "runs" / "pre"
-    wait_for(lambda: steps_done(run, 3), 240, "three steps")
+    wait_for(lambda: steps_done(run, 1), 400, "step 1")
+    time.sleep(1.0)
+    assert latest_checkpoint(run) is None and len(metrics(run)) == 1  # step 2 is rolling out
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
-    requeued = wait_for(lambda: json.loads((run / "run.json").read_text()).get("restart_count", 0) >= 1
-                        and json.loads((run / "run.json").read_text()), 240, "the requeued job to start")
-    checkpoint_step = requeued["checkpoint_step"]
-    assert 3 <= checkpoint_step < 40
+    signalled = time.monotonic()
+    wait_for(lambda: latest_checkpoint(run) == 1, 60, "the checkpoint of step 1", poll=0.05)
+    took = time.monotonic() - signalled
+    print(f"slurm: USR1 -> checkpoint of step 1 written {took:.2f}s later")
+    assert took < CHECKPOINT_WITHIN_S
+    rerun = wait_for(lambda: json.loads((run / "run.json").read_text()).get("restart_count", 0) >= 1
+                     and json.loads((run / "run.json").read_text()), 300, "the requeued job to start")
+    assert rerun["job_id"] == job_id and rerun["restart_count"] == 1 and rerun["checkpoint_step"] == 1
     final = wait_for(lambda: status(tmp_path, "runs/pre")["state"] in ("completed", "failed", "died")
-                     and status(tmp_path, "runs/pre"), 300, "the resumed job to finish")
+                     and status(tmp_path, "runs/pre"), 400, "the resumed job to finish")
     assert final["state"] == "completed", logs_of(run)
-    steps = [row["step"] for row in metrics(run)]
-    first_run = steps[:steps.index(checkpoint_step) + 1]
-    assert first_run[:checkpoint_step] == list(range(1, checkpoint_step + 1))
-    resumed = steps[len(first_run):]
-    if resumed and resumed[0] != checkpoint_step + 1:  # steps past the checkpoint were redone
-        resumed = resumed[resumed.index(checkpoint_step + 1):]
-    assert resumed == list(range(checkpoint_step + 1, 41))
-    assert "resumed from" in (run / "logs" / "driver.log").read_text()
+    assert [row["step"] for row in metrics(run)] == [1, 2]
+    assert saved_progress(run) == {"step": 2, "data": {"cursor": 2 * PROMPTS_PER_STEP}, "policy_version": 2}
+    assert "at step 1" in (run / "logs" / "driver.log").read_text()  # "resumed from ... at step 1"
 
 
 @pytest.mark.slow

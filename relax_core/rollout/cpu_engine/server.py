@@ -353,7 +353,8 @@ async def _update_weights(state: EngineState, obj: UpdateWeightsFromDistributedR
     return True, "Succeeded to update parameter online."
 
 
-def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: int, weight_version: str) -> EngineState:
+def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: int, weight_version: str,
+                      trust_remote_code: bool = False) -> EngineState:
     """Load model and tokenizer and start the scheduler thread."""
     import os
 
@@ -361,8 +362,9 @@ def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: in
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype))
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype),
+                                                 trust_remote_code=trust_remote_code)
     model.eval().requires_grad_(False)
     _check_full_attention(model.config)
     batcher = Batcher(

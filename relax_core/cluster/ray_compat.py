@@ -1,0 +1,64 @@
+"""Workarounds of Ray 2.60 behaviour, in one place: each says why and when it can go.
+
+`python -m relax_core.cluster.ray_compat start ...` is `ray start ...` with
+them applied (what a Slurm node runs); `start_local_ray` applies them in the
+driver before `ray.init`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def without_dashboard_process() -> None:
+    """Start no dashboard process when no dashboard is asked for.
+
+    With `include_dashboard=False` Ray still starts `dashboard/dashboard.py`
+    (`Node.start_head_processes` always calls `start_api_server`, which then
+    loads only the usage-stats module), and that process listens: a gRPC
+    server on every interface of a node whose address is not loopback, and
+    Prometheus metrics on the fixed port 44227. Nothing of Relax talks to it
+    (usage stats are off). Can go once Ray skips that process without a dashboard.
+    """
+    from ray._private.node import Node
+
+    original = Node.start_api_server
+    if getattr(original, "relax_patched", False):
+        return
+
+    def start_api_server(self, *, include_dashboard, raise_on_failure):
+        if include_dashboard:
+            return original(self, include_dashboard=include_dashboard, raise_on_failure=raise_on_failure)
+        self._webui_url = ""  # what Ray records when the dashboard is off
+
+    start_api_server.relax_patched = True
+    Node.start_api_server = start_api_server
+
+
+def single_machine() -> None:
+    """Make this process's Ray take the machine for a single node with a loopback address.
+
+    Ray gives a node started by `ray.init` the address of the machine's route
+    to the internet, and its servers then listen on every interface (or on that
+    address); only for a loopback address do they all bind loopback. That is
+    what Ray does where it supports no multi-node clusters (macOS, Windows:
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`); set here in this process only, so
+    no other program inherits it. Can go once `ray.init` can bind loopback itself
+    (`_node_ip_address="127.0.0.1"` is replaced by the routed address).
+    """
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def main() -> None:
+    """`ray start` (its own command line) with the workarounds applied."""
+    without_dashboard_process()
+    from ray.scripts.scripts import main as ray_main
+
+    sys.argv[0] = "ray"
+    ray_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""A local job is closed to other users of the machine: everything it starts listens on loopback only.
+
+The job runs in a network namespace of its own that has, besides loopback, an
+interface with an ordinary address (10.77.0.2) and a default route through it:
+a machine with a network interface, where Ray would otherwise bind its servers
+to every interface and to that address. While the quick start trains (with a
+router in front of two engines), the test lists the TCP sockets every process
+of the job listens on and fails on any address that is not loopback, the
+wildcards 0.0.0.0 and :: included; and no Ray dashboard process may run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from proc_table import (
+    cmdline,
+    is_loopback,
+    job_processes,
+    listeners,
+    mark_env,
+    marked,
+    start_quickstart,
+    still_running,
+    wait_for_first_step,
+    wait_until_gone,
+)
+
+EXTERNAL = "10.77.0.2"
+WITH_AN_INTERFACE = ("ip link set lo up && ip link add relax0 type veth peer name relax1 && "
+                     f"ip addr add {EXTERNAL}/24 dev relax0 && ip link set relax0 up && ip link set relax1 up && "
+                     "ip route add default dev relax0")
+
+
+@pytest.fixture(scope="module")
+def running_job(tmp_path_factory):
+    """The quick start with a router, training, on a machine with a network interface."""
+    cwd = tmp_path_factory.mktemp("sockets")
+    env = mark_env()
+    prefix = ["unshare", "--net", "bash", "-c", f'{WITH_AN_INTERFACE} && exec "$@"', "_"]
+    driver = start_quickstart(cwd, env, "rollout.num_engines=2", "train.steps=400", "logging.tensorboard=false",
+                              prefix=prefix)
+    processes: dict[int, str] = {}
+    try:
+        wait_for_first_step(cwd, driver)
+        processes = job_processes(env, driver.pid)
+        yield driver, processes, listeners(list(processes))
+    finally:
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        for pid in wait_until_gone(env, processes, 15):
+            os.kill(pid, signal.SIGKILL)
+        assert not marked(env) and not still_running(processes)
+
+
+@pytest.mark.slow
+def test_every_process_of_a_local_job_listens_on_loopback_only(running_job):
+    driver, processes, found = running_job
+    assert EXTERNAL in open(f"/proc/{driver.pid}/net/fib_trie").read()  # the job does see the interface
+    print("listening sockets of the job:\n" + "\n".join(f"  {item}" for item in found))
+    listening = {item.pid for item in found}
+    for kind in ("sglang::router", "relax_core.rollout.cpu_engine", "gcs_server", "raylet", "ray::DashboardAgent"):
+        assert any(kind in cmdline(pid) for pid in listening), f"no {kind} among the listeners: {found}"
+    outside = [str(item) for item in found if not is_loopback(item.address)]
+    assert not outside, "listening beyond loopback:\n" + "\n".join(outside)
+
+
+@pytest.mark.slow
+def test_no_dashboard_process_runs(running_job):
+    _, processes, _ = running_job
+    dashboards = [cmdline(pid) for pid in processes if "ray/dashboard/dashboard.py" in cmdline(pid)]
+    assert not dashboards, dashboards
+    assert any("ray::DashboardAgent" in cmdline(pid) for pid in processes)  # Ray's processes are in view
