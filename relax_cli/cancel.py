@@ -7,7 +7,9 @@ import typer
 from relax_cli.common import out
 
 
-def cancel(run: str = typer.Argument(None, help="Run directory or name (default: the newest run under ./runs).")) -> None:
+def cancel(
+    run: str = typer.Argument(None, help="Run directory or name (default: the newest run under ./runs)."),
+) -> None:
     """Cancel a run. Its latest checkpoint stays usable for a resume."""
     from relax_core.launch.rundir import find_run
     from relax_core.launch.status import cancel_run

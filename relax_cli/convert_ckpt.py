@@ -10,14 +10,16 @@ from relax_cli.common import out
 
 
 def convert_ckpt(
-    ckpt: Path = typer.Argument(..., help="Checkpoint folder (holds latest_checkpointed_iteration.txt) or a run directory."),
+    ckpt: Path = typer.Argument(
+        ..., help="Checkpoint folder (holds latest_checkpointed_iteration.txt) or a run directory."),
     out_dir: Path = typer.Option(..., "--out", help="Folder to write the Hugging Face model to."),
     iteration: int = typer.Option(None, "--iteration", help="Iteration to convert (default: the latest)."),
     verify: bool = typer.Option(False, "--verify", help="Compare the converted model's logits with the checkpoint's."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output folder."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code",
                                            help="With --verify: let a model that ships its own code run it."),
-    slurm: bool = typer.Option(False, "--slurm", help="Run the conversion as a one-node Slurm job (submitit) and wait."),
+    slurm: bool = typer.Option(
+        False, "--slurm", help="Run the conversion as a one-node Slurm job (submitit) and wait."),
     partition: str = typer.Option(None, "--partition", help="With --slurm: partition."),
     account: str = typer.Option(None, "--account", help="With --slurm: account."),
     time_min: int = typer.Option(60, "--time-min", help="With --slurm: time limit in minutes."),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -29,13 +28,13 @@ def reward_group() -> None:
 @app.command("score")
 def score(
     name: str = typer.Argument(..., help="Reward name (see `relax list rewards`)."),
-    response: Optional[str] = typer.Option(None, "--response", help="One response text to score."),
-    label: Optional[str] = typer.Option(None, "--label", help="The reference answer for --response."),
-    metadata: Optional[str] = typer.Option(None, "--metadata", help="JSON object: the sample's metadata."),
-    jsonl: Optional[Path] = typer.Option(None, "--jsonl", help='File of {"response", "label", "metadata"} lines '
+    response: str | None = typer.Option(None, "--response", help="One response text to score."),
+    label: str | None = typer.Option(None, "--label", help="The reference answer for --response."),
+    metadata: str | None = typer.Option(None, "--metadata", help="JSON object: the sample's metadata."),
+    jsonl: Path | None = typer.Option(None, "--jsonl", help='File of {"response", "label", "metadata"} lines '
                                          '(and "reward": that line\'s reward instead of NAME).'),
     plugin_dir: list[Path] = typer.Option([], "--plugin-dir", help="Extra reward plugin folder (repeatable)."),
-    key: Optional[str] = typer.Option(None, "--key", help="Entry of a dict-valued reward to report as score."),
+    key: str | None = typer.Option(None, "--key", help="Entry of a dict-valued reward to report as score."),
     timeout_s: float = typer.Option(10.0, "--timeout", min=0.001, help="Time limit of one call, seconds."),
     workers: int = typer.Option(0, "--workers", min=0, help="Worker processes (0: one per CPU)."),
 ) -> None:

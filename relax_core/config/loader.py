@@ -43,8 +43,7 @@ def _anchor_plugin_dirs(raw: dict[str, Any], base: Path) -> None:
     reward = raw.get("reward")
     dirs = reward.get("plugin_dirs") if isinstance(reward, dict) else None
     if isinstance(dirs, list):
-        reward["plugin_dirs"] = [str((base / d).resolve()) if isinstance(d, str) and not Path(d).expanduser().is_absolute()
-                                 else d for d in dirs]
+        reward["plugin_dirs"] = [str((base / d).resolve()) if _relative_path(d) else d for d in dirs]
 
 
 def read_recipe_file(path: Path) -> tuple[dict[str, Any], str]:
@@ -257,3 +256,7 @@ def yaml_line_of(text: str, keys: list[str]) -> int | None:
 def dump_recipe(recipe: Recipe) -> str:
     """The resolved recipe as YAML (what `relax validate` prints and runs record)."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def _relative_path(value: Any) -> bool:
+    return isinstance(value, str) and not Path(value).expanduser().is_absolute()

@@ -9,7 +9,7 @@ validate a recipe on a login node in milliseconds.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
@@ -76,14 +76,14 @@ class TinyModel(Section):
     """Parameter dtype."""
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "TinyModel":
+    def _heads_divide(self) -> TinyModel:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError("hidden_size must be divisible by num_heads, and num_heads by num_kv_heads")
         return self
 
 
 ModelConfig = Annotated[
-    Union[Annotated[HFModel, Tag("hf")], Annotated[TinyModel, Tag("tiny")]],
+    Annotated[HFModel, Tag("hf")] | Annotated[TinyModel, Tag("tiny")],
     _tagged("source", "hf"),
 ]
 
@@ -106,7 +106,7 @@ class SyntheticData(Section):
     """Seed of the prompt stream."""
 
     @model_validator(mode="after")
-    def _lengths(self) -> "SyntheticData":
+    def _lengths(self) -> SyntheticData:
         if self.min_len > self.max_len:
             raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
         return self
@@ -142,11 +142,7 @@ class FileData(Section):
 
 
 DataConfig = Annotated[
-    Union[
-        Annotated[SyntheticData, Tag("synthetic")],
-        Annotated[FileData, Tag("file")],
-        Annotated[FileData, Tag("hub")],
-    ],
+    Annotated[SyntheticData, Tag("synthetic")] | Annotated[FileData, Tag("file")] | Annotated[FileData, Tag("hub")],
     _tagged("source", "file"),
 ]
 
@@ -261,7 +257,7 @@ class MegatronTrainConfig(TrainCommon):
 
 
 TrainConfig = Annotated[
-    Union[Annotated[TorchTrainConfig, Tag("torch")], Annotated[MegatronTrainConfig, Tag("megatron")]],
+    Annotated[TorchTrainConfig, Tag("torch")] | Annotated[MegatronTrainConfig, Tag("megatron")],
     _tagged("backend", "torch"),
 ]
 
@@ -432,7 +428,7 @@ class Recipe(Section):
     """Run directory and metrics."""
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "Recipe":
+    def _cross_checks(self) -> Recipe:
         problems = _mode_problems(self) + _engine_problems(self) + _train_problems(self) + _algorithm_problems(self)
         if problems:
             raise ValueError("; ".join(problems))

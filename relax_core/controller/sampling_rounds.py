@@ -21,8 +21,8 @@ Plain Python over `Sample`s, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from relax_core.algorithms.dapo import dynamic_sampling_keep, penalty_for_length
 from relax_core.rollout.types import Sample

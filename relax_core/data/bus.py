@@ -30,7 +30,8 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from relax_core.rollout.types import Sample
 
@@ -82,7 +83,7 @@ class SampleBus:
         self._closed = False
 
     @classmethod
-    def start(cls, samples_per_step: int, max_partitions: int) -> "SampleBus":
+    def start(cls, samples_per_step: int, max_partitions: int) -> SampleBus:
         """Start TransferQueue's controller/storage in the connected Ray cluster."""
         import psutil
         import ray

@@ -18,8 +18,8 @@ Importing this module imports no torch.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 TASKS = ("copy", "reverse", "add")
 DEFAULT_ALPHABET = "abcdefgh"

@@ -43,7 +43,7 @@ class Executor(ABC):
         """What this executor cannot run in the recipe, one line per field (exit 2 before anything is written)."""
         return []
 
-    def prepare(self, sub) -> None:
+    def prepare(self, sub) -> None:  # noqa: B027 (a hook: most executors hand over nothing to check)
         """Build and check what `launch` will hand over (a job script), writing nothing."""
 
     @abstractmethod

@@ -29,7 +29,7 @@ def _now() -> str:
 
 def run_local(sub: Submission, console) -> str:
     """Run the job in this process; returns "completed", or "stopped" (USR1/TERM, checkpointed)."""
-    from relax_core.controller.driver import run_driver
+    from relax_core.entrypoints.local_driver import run_driver
 
     run = sub.run
     with DriverLock(run):

@@ -7,8 +7,9 @@ job's files (script, logs, pickled result) go to `<out>.submitit/`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def run_on_slurm(fn: Callable[..., Any], *args: Any, folder: Path, job_name: str, partition: str | None,

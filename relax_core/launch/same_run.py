@@ -34,7 +34,7 @@ SAFE_TO_CHANGE = {
     "cluster.train.mem": "a memory request",
     "cluster.rollout.mem": "a memory request",
     "reward.num_workers": "how many processes score samples, not the scores",
-    "reward.max_error_frac": "when a failing reward stops the run, not what it scores: raise it to resume a run it stopped",
+    "reward.max_error_frac": "when failing rewards stop the run, not what they score (raise it to resume such a run)",
     "reward.error_window": "the window of that stop rule",
 }
 UNSET = "(unset)"

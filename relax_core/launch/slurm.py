@@ -5,7 +5,7 @@
 
 Every value that reaches the script is computed and quoted here; the
 template (`templates/job.sbatch.j2`) only lays the lines out. What runs on
-the nodes is `relax_core.cluster.slurm_job`, a Python module, not shell.
+the nodes is `relax_core.entrypoints.slurm_job`, a Python module, not shell.
 Light imports only: this runs on the login node.
 """
 
@@ -80,7 +80,7 @@ def launcher_argv(run: RunDir, python: str | None = None) -> list[str]:
     the recipe names a container (it wraps the steps it starts); a shared file
     system, as on every HPC cluster, gives the compute nodes this interpreter.
     """
-    return [python or sys.executable, "-m", "relax_core.cluster.slurm_job", str(run.path)]
+    return [python or sys.executable, "-m", "relax_core.entrypoints.slurm_job", str(run.path)]
 
 
 def render_job_script(recipe: Recipe, run: RunDir, python: str | None = None) -> str:
@@ -118,8 +118,10 @@ def explain_sbatch_error(stderr: str, script: Path) -> str:
         ("invalid partition", "cluster.slurm.partition: Slurm has no such partition (sinfo -s lists them)"),
         ("node configuration is not available",
          "cluster.train / cluster.rollout: more nodes, GPUs, CPUs or memory than the partition has"),
-        ("node count specification invalid", "cluster.train.nodes / cluster.rollout.nodes: more nodes than the partition has"),
-        ("invalid generic resource", "cluster.train.gpus_per_node / cluster.rollout.gpus_per_node: the partition has no GPUs (gres)"),
+        ("node count specification invalid",
+         "cluster.train.nodes / cluster.rollout.nodes: more nodes than the partition has"),
+        ("invalid generic resource",
+         "cluster.train.gpus_per_node / cluster.rollout.gpus_per_node: the partition has no GPUs (gres)"),
         ("invalid account", "cluster.slurm.account: Slurm does not know this account"),
         ("invalid qos", "cluster.slurm.qos: Slurm does not know this QOS"),
         ("time limit", "cluster.slurm.time: longer than the partition allows"),

@@ -29,7 +29,6 @@ from relax_core.launch.rundir import RunDir, in_use_message, lock_holder, new_ru
 from relax_core.launch.same_run import check_same_run, describe, stored_recipe
 
 
-
 @dataclass
 class Submission:
     recipe: Recipe

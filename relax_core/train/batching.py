@@ -11,8 +11,9 @@ old/rollout/reference log-probs and masks line up without offsets.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 

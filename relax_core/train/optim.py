@@ -8,7 +8,7 @@ once per `train_step` (one rollout step), so `warmup_steps` and
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

@@ -12,8 +12,9 @@ estimator runs once, and each rank keeps its own rows, again as lists.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ class StepResult:
     keep: Rows | None = None
     returns: Rows | None = None
 
-    def rows(self, start: int, stop: int) -> "StepResult":
+    def rows(self, start: int, stop: int) -> StepResult:
         """The samples start..stop (one rank's share)."""
         cut = (lambda rows: rows[start:stop] if rows is not None else None)  # noqa: E731
         return StepResult(self.advantages[start:stop], cut(self.keep), cut(self.returns))
@@ -51,7 +52,7 @@ class StepRows:
     tokens: dict[str, Rows] = field(default_factory=dict)
 
     @staticmethod
-    def concat(parts: Sequence["StepRows"]) -> "StepRows":
+    def concat(parts: Sequence[StepRows]) -> StepRows:
         out = StepRows([], [], {key: [] for key in parts[0].tokens} if parts else {})
         for part in parts:
             out.rewards += part.rewards

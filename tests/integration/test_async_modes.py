@@ -34,8 +34,8 @@ class Watched:
     """A Job whose generated and trained samples are recorded."""
 
     def __init__(self, tmp_path: Path, *overrides: str):
-        from relax_core.controller.driver import local_cpu_sets
         from relax_core.controller.job import Job
+        from relax_core.entrypoints.local_driver import local_cpu_sets
 
         self.recipe = load_recipe(QUICKSTART, [*SMALL, *overrides])
         self.run = new_run_dir(tmp_path, "run").create()
@@ -61,9 +61,9 @@ class Watched:
         self.job.rollout, self.job.train = watched_rollout, watched_train
 
     def run_loop(self) -> str:
-        from relax_core.controller.driver import LOOPS
-
         import importlib
+
+        from relax_core.controller.driver import LOOPS
 
         module, _, name = LOOPS[self.recipe.mode].partition(":")
         try:

@@ -244,7 +244,7 @@ def test_the_slurm_batch_step_refuses_a_run_another_driver_holds(tmp_path):
     run = recorded_run(tmp_path, executor="slurm", state="pending", job_id="77")
     before = tree_hash(run)
     with DriverLock(RunDir(run)):
-        proc = subprocess.run([sys.executable, "-m", "relax_core.cluster.slurm_job", str(run)], cwd=tmp_path,
+        proc = subprocess.run([sys.executable, "-m", "relax_core.entrypoints.slurm_job", str(run)], cwd=tmp_path,
                               env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"host {socket.gethostname()}, PID {os.getpid()}" in proc.stderr

@@ -72,12 +72,12 @@ def test_heterogeneous_job_has_one_component_per_node_group():
 
 
 def test_container_wraps_every_step_but_not_the_supervisor():
-    from relax_core.cluster.slurm_job import Allocation, JobSteps
+    from relax_core.entrypoints.slurm_job import Allocation, JobSteps
 
     recipe = load_recipe(REPO / "recipes/omni_avqa.yaml", CONTAINER)
     text = render("omni_avqa_container")
     supervisor = shlex.split(text.strip().splitlines()[-1].removeprefix("exec "))
-    assert supervisor == ["python3", "-m", "relax_core.cluster.slurm_job", str(RUN.path)]  # calls srun: host
+    assert supervisor == ["python3", "-m", "relax_core.entrypoints.slurm_job", str(RUN.path)]  # calls srun: host
     assert "--partition=gpu" in sbatch_components(text)[1] and "--account=proj42" in sbatch_components(text)[0]
     assert text.index("module load apptainer") < text.index("exec python3")  # setup runs first
 

@@ -28,7 +28,8 @@ NO_OVERLONG = {"overlong": {"enabled": False}}
 
 def test_dynamic_sampling_drops_flat_groups_and_refills_then_cuts_to_the_target():
     # Round 0: groups 1 (flat) and 2 (informative); round 1: 3 (flat), 4 and 5 (informative). Target: 2 groups.
-    generate, calls = rounds_of(group(1, [1, 1]) + group(2, [0, 1]), group(3, [0, 0]) + group(4, [1, 0]) + group(5, [0, 1]))
+    generate, calls = rounds_of(group(1, [1, 1]) + group(2, [0, 1]),
+                                group(3, [0, 0]) + group(4, [1, 0]) + group(5, [0, 1]))
     samples, stats = collect_batch(generate, DAPOConfig(**NO_OVERLONG), max_new_tokens=8, target_groups=2)
     assert [s.group_id for s in samples] == [2, 2, 4, 4]
     assert calls == [0, 1]

@@ -1,6 +1,6 @@
 """The driver step of a Relax Slurm job (node 0 of het group 0, inside the container if any).
 
-    python -m relax_core.cluster.slurm_driver RUN_DIR
+    python -m relax_core.entrypoints.slurm_driver RUN_DIR
 
 Waits until every allocated node has joined the job's Ray cluster (each
 advertises `relax_node_<name>`), naming the missing nodes after
@@ -22,10 +22,10 @@ from pathlib import Path
 
 from relax_core.cluster.local_ray import token_env
 from relax_core.cluster.node import node_resource
-from relax_core.cluster.slurm_job import DRIVER_COMPLETED, DRIVER_STARTUP_FAILED, DRIVER_STOPPED
+from relax_core.entrypoints.slurm_job import DRIVER_COMPLETED, DRIVER_STARTUP_FAILED, DRIVER_STOPPED
 from relax_core.launch.rundir import RunDir
 
-log = logging.getLogger("relax_core.cluster.slurm_driver")
+log = logging.getLogger("relax_core.entrypoints.slurm_driver")
 
 
 class StartupError(RuntimeError):

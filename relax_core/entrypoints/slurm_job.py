@@ -1,13 +1,13 @@
 """The batch step of a Relax Slurm job: a small supervisor on node 0 of het group 0.
 
-    python -m relax_core.cluster.slurm_job RUN_DIR
+    python -m relax_core.entrypoints.slurm_job RUN_DIR
 
 It imports nothing heavy and needs only Slurm's commands, so it runs on the
 host even when everything else runs in a container. It starts, each as an
 `srun --overlap` step logging to `logs/`:
 
     ray-<node>.log   one Ray node per allocated node (head on node 0)
-    driver.log       the driver (`relax_core.cluster.slurm_driver`) on node 0
+    driver.log       the driver (`relax_core.entrypoints.slurm_driver`) on node 0
 
 then watches them: a node step that dies ends the job at once, naming the node
 and its log; the driver's exit code says how the run ended. On USR1 (sent by
@@ -113,7 +113,7 @@ class JobSteps:
 
     def start_driver(self) -> None:
         head = self.alloc.groups["train"][0]
-        argv = ["relax_core.cluster.slurm_driver", str(self.run.path)]
+        argv = ["relax_core.entrypoints.slurm_driver", str(self.run.path)]
         self.driver = self.srun("train", head, "driver", argv, self.run.logs / "driver-step.log")
 
     def dead_node(self) -> Step | None:
