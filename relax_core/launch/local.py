@@ -32,6 +32,9 @@ def run_local(sub: Submission, console) -> str:
     from relax_core.entrypoints.local_driver import run_driver
 
     run = sub.run
+    # Ctrl-C and `relax cancel` (SIGINT) stop the run, also when a shell started it in the background,
+    # which leaves SIGINT ignored (and then Python installs no KeyboardInterrupt handler of its own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with DriverLock(run):
         record(sub)
         run.update_state(state="running", pid=os.getpid(), host=socket.gethostname(), started=_now())

@@ -39,8 +39,10 @@ ENV = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def submit_args(mode: str) -> list[str]:
+    # max_staleness 0: step 2's rollout starts once step 1 is trained, so the signal (1 s after step 1 is
+    # logged) finds it generating; with 1 it could start during step 1's training and be over by then.
     return [sys.executable, "-m", "relax_cli.main", "submit", str(QUICKSTART), *LONG_STEPS, f"mode={mode}",
-            "--executor", "local", "--run-dir", "run"]
+            "rollout.max_staleness=0", "--executor", "local", "--run-dir", "run"]
 
 
 def logged_steps(run: Path) -> list[int]:

@@ -79,8 +79,10 @@ def interrupted_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("rules")
     shared = cwd / "shared-ckpt"
     args = [str(QUICKSTART), *SMALL, f"checkpoint.dir={shared}", "--executor", "local", "--run-dir", "run"]
+    # Started as a shell starts `relax submit ... &` (SIGINT ignored): the SIGINT below must stop it all the same.
     first = subprocess.Popen([sys.executable, "-m", "relax_cli.main", "submit", *args, "train.steps=500"], cwd=cwd,
-                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     run = cwd / "run"
     try:
         wait_for(lambda: steps_logged(run), 300, "the first step", first)
