@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -41,6 +42,10 @@ def main() -> None:
         if os.environ.get("RELAX_DEBUG"):
             raise
         fail(f"{type(exc).__name__}: {exc} (set RELAX_DEBUG=1 for the traceback)", EXIT_RUNTIME_ERROR)
+    finally:
+        # The process ends now: spare the interpreter's final garbage collections a walk over the
+        # hundreds of thousands of objects torch, transformers and Ray made (seconds after a local run).
+        gc.freeze()
 
 
 if __name__ == "__main__":

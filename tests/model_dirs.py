@@ -3,7 +3,9 @@
 - `custom_code_model`: a tiny Qwen3 whose config names its own code (`auto_map`), as some hub
   models do, so transformers loads it only with `trust_remote_code=True`;
 - `other_tokenizer`: the tiny model's vocabulary with another chat template (`OTHER_TEMPLATE`),
-  so a test can tell which tokenizer encoded a prompt.
+  so a test can tell which tokenizer encoded a prompt;
+- `echo_judge_model`: a tiny Qwen3 that repeats the last character of its prompt, so a judge
+  prompt ending in a digit gets that digit back, once per new token (a judge whose replies a test knows).
 """
 
 from __future__ import annotations
@@ -49,4 +51,25 @@ def other_tokenizer(folder: Path) -> Path:
     tokenizer = tiny.build_char_tokenizer(ALPHABET)
     tokenizer.chat_template = OTHER_TEMPLATE
     tokenizer.save_pretrained(folder)
+    return folder
+
+
+def echo_judge_model(folder: Path) -> Path:
+    """One-hot token embeddings, attention and MLP outputs zeroed, the output layer the identity: the last
+    hidden state is (a multiple of) the current token's one-hot vector, so greedy decoding repeats it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny.materialize_tiny_model(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    vocab, hidden = model.lm_head.weight.shape
+    assert vocab <= hidden, "one-hot embeddings need hidden_size >= vocabulary size"
+    with torch.no_grad():
+        one_hot = torch.eye(vocab, hidden)
+        model.model.embed_tokens.weight.copy_(one_hot)
+        model.lm_head.weight.copy_(one_hot)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(folder)
     return folder

@@ -5,7 +5,8 @@ run's secrets folder (mode 0600), a short temp dir of its own (Unix socket
 paths are limited to 107 bytes), and explicit CPU counts. It is closed to other
 users of the machine: every process of it listens on loopback only (Ray binds
 its servers to loopback when the node's address is loopback, which it makes it
-here as it does on laptops) and no dashboard process runs (both in
+here as it does on laptops) and no dashboard process runs, nor the autoscaler
+and log monitors, which have nothing to do here (the workarounds are in
 `ray_compat.py`). It dies with the driver, even a SIGKILLed one
 (`lifetime.Reaper`), and is stopped with `ray.shutdown()`, which ends only
 the processes this driver started, never with `ray stop`.
@@ -50,10 +51,11 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
-    from relax_core.cluster.ray_compat import single_machine, without_dashboard_process
+    from relax_core.cluster.ray_compat import single_machine, without_dashboard_process, without_monitors
 
     single_machine()  # the node's address is loopback: Ray binds loopback only
     without_dashboard_process()
+    without_monitors()  # a cluster of fixed size whose driver reads no worker output
     temp_dir = short_temp_dir(run)
     _reaper = Reaper(str(temp_dir))  # before the first Ray process starts: each inherits the mark
     ray.init(

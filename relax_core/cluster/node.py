@@ -5,9 +5,9 @@
 runs (replacing itself with) `ray start --block` for this node: explicit
 ports of a block it leases on this machine (the head: the block the batch step
 leased for it, `--port-block`), a short node-local temp dir, explicit CPU/GPU
-counts, the group's custom resource (`relax_train` / `relax_rollout`) plus one
-that names the node, the node address of the configured interface, and the
-run's token. The batch step starts the head with the same function.
+counts, the group's custom resource (`relax_train` / `relax_rollout` /
+`relax_reference`) plus one that names the node, the node address of the
+configured interface, and the run's token. The batch step starts the head with the same function.
 
 What listens, and where: Ray's own servers listen on the node's address where
 Ray lets them (the runtime-env agent, the dashboard agent's HTTP server); its
@@ -34,11 +34,12 @@ from pathlib import Path
 
 from relax_core.cluster.local_ray import token_env
 from relax_core.cluster.ports import NodePorts, block_ports, lease_ports
-from relax_core.config.schema import Recipe
+from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.launch.rundir import RunDir
 
-# Custom Ray resources nodes advertise: training-rank slots and engine slots.
-TRAIN_RESOURCE, ROLLOUT_RESOURCE = "relax_train", "relax_rollout"
+# Custom Ray resources nodes advertise: training-rank slots, engine slots, reference-worker slots.
+TRAIN_RESOURCE, ROLLOUT_RESOURCE, REFERENCE_RESOURCE = "relax_train", "relax_rollout", "relax_reference"
+JUDGE_RESOURCE = "relax_judge"  # judge-engine slots (`reward.genrm`), on the engines' group beside its engine slots
 
 
 def node_resource(name: str) -> str:
@@ -78,10 +79,21 @@ def node_resources(recipe: Recipe, group: str, name: str) -> dict[str, float]:
     resources: dict[str, float] = {node_resource(name): 1}
     if group == "train":
         resources[TRAIN_RESOURCE] = nodes.gpus_per_node or getattr(recipe.train, "cpu_ranks_per_node", 1)
-    engines_here = group == "rollout" or not recipe.cluster.rollout.nodes
-    if engines_here:
+    if group == rollout_group_name(recipe):  # the engines' group
         resources[ROLLOUT_RESOURCE] = nodes.gpus_per_node or math.ceil(recipe.rollout.num_engines / nodes.nodes)
+        if recipe.reward.judge_engines:
+            resources[JUDGE_RESOURCE] = math.ceil(recipe.reward.judge_engines / nodes.nodes)
+    if group == "reference":  # one reference worker per GPU, or per node on CPU
+        resources[REFERENCE_RESOURCE] = nodes.gpus_per_node or 1
     return resources
+
+
+def transfer_queue_cpus(recipe: Recipe, group: str, head: bool) -> int:
+    """Ray CPUs a node adds for TransferQueue (asynchronous modes), whose actors each hold one: a storage
+    unit on every training node (relax_core/data/bus.py places them there), its controller on the head."""
+    if recipe.mode == "colocate" or group != "train":
+        return 0
+    return 2 if head else 1
 
 
 def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, name: str, address: str,
@@ -91,7 +103,8 @@ def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, na
     # `python -m`, not the `ray` script: in a venv over system packages (common with HPC modules) the
     # script is not next to the interpreter. `ray_compat` is `ray start` without a dashboard process.
     command = [sys.executable, "-m", "relax_core.cluster.ray_compat", "start", "--block", "--disable-usage-stats",
-               f"--node-ip-address={address}", f"--num-cpus={nodes.cpus_per_node}",
+               f"--node-ip-address={address}",
+               f"--num-cpus={nodes.cpus_per_node + transfer_queue_cpus(recipe, group, head_address is None)}",
                f"--num-gpus={nodes.gpus_per_node}", f"--resources={json.dumps(node_resources(recipe, group, name))}",
                f"--temp-dir={temp_dir}", *ports.ray_start_flags(head=head_address is None)]
     if head_address is None:
@@ -113,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m relax_core.cluster.node")
     parser.add_argument("run_dir")
-    parser.add_argument("--group", choices=("train", "rollout"), required=True)
+    parser.add_argument("--group", choices=("train", "rollout", "reference"), required=True)
     parser.add_argument("--index", type=int, required=True, help="position of this node in the job")
     parser.add_argument("--head-address", default="", help="the head's address:port; empty on the head itself")
     parser.add_argument("--port-block", type=int, default=None, help="the head's leased port block")

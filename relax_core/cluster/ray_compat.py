@@ -35,6 +35,28 @@ def without_dashboard_process() -> None:
     Node.start_api_server = start_api_server
 
 
+def without_monitors() -> None:
+    """Start neither the autoscaler monitor nor the log monitor with `ray.init`.
+
+    `ray.init` always starts both (`Node.start_head_processes`, `Node.start_ray_processes`) and
+    takes no option against either, where `ray start --no-monitor` (a Slurm head) skips the first.
+    A local cluster has a fixed size, so the autoscaler has nothing to do, and its driver reads
+    no worker output (`log_to_driver=False`), the log monitor's one use. The two Python processes
+    take about 2 s of CPU at start-up and 1 s at `ray.shutdown`, which gives each a second to
+    exit. Can go once `ray.init` takes `no_monitor` and `include_log_monitor`.
+    """
+    from ray._private.node import Node
+
+    if getattr(Node.start_monitor, "relax_patched", False):
+        return
+
+    def skip(self) -> None:
+        pass
+
+    skip.relax_patched = True
+    Node.start_monitor = Node.start_log_monitor = skip
+
+
 def single_machine() -> None:
     """Make this process's Ray take the machine for a single node with a loopback address.
 

@@ -8,12 +8,15 @@ validate a recipe on a login node in milliseconds.
 
 from __future__ import annotations
 
+import os
 import re
+import string
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from relax_core.config.algorithms import AlgorithmConfig, GRPOConfig, algorithm_problems
+from relax_core.rewards.genrm import DEFAULT_TEMPLATE
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -267,6 +270,42 @@ TrainConfig = Annotated[
 
 
 # -------------------------------------------------------------------- reward
+class GenRMConfig(Section):
+    """The judge of the `genrm` reward: a model Relax serves on judge engines of its own, started with the
+    run's engines and trainers and stopped at its end."""
+
+    model: str = Field(min_length=1)
+    """Judge model: a local Hugging Face model directory (a relative path is taken from where the run starts,
+    like `model.path`) or a hub id."""
+    num_engines: int = Field(1, ge=1)
+    """Judge engine servers (placed on the engines' node group, beside the rollout engines); each judge call
+    goes to the next one in turn."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Longest judge reply in tokens (greedy); the reply is searched for the score."""
+    template: str = DEFAULT_TEMPLATE
+    """Judge prompt: `{response}` (required), `{label}`, and `{question}` (the row's `question` column)."""
+    max_score: float = Field(10.0, gt=0.0)
+    """The judge's scale: a score given without one ("Score: 7") is divided by it, then clipped to [0, 1]."""
+    trust_remote_code: bool = False
+    """Run the code the judge model directory ships (`auto_map` in its config); without it such a model is
+    refused."""
+
+    @field_validator("template")
+    @classmethod
+    def _placeholders(cls, value: str) -> str:
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        except ValueError as exc:
+            raise ValueError(f"not a format string ({exc}); write a literal brace as {{{{ or }}}}") from None
+        unknown = sorted(names - {"question", "response", "label"})
+        if unknown:
+            raise ValueError(f"unknown placeholder(s) {', '.join('{' + n + '}' for n in unknown)}; "
+                             "use {question}, {response} and {label}")
+        if "response" not in names:
+            raise ValueError("the template has no {response}: the judge would never see what it grades")
+        return value
+
+
 class RewardConfig(Section):
     """How responses are scored."""
 
@@ -285,6 +324,14 @@ class RewardConfig(Section):
     `error_window`, failed (reward errors plus time-outs); 1.0 never stops it."""
     error_window: int = Field(256, ge=1)
     """Samples over which `max_error_frac` is counted."""
+    genrm: GenRMConfig | None = None
+    """The `genrm` reward's judge model, served by Relax for the run; unset: a judge server of your own at
+    `$RELAX_GENRM_URL`."""
+
+    @property
+    def judge_engines(self) -> int:
+        """Judge engine servers the run starts (`genrm.num_engines`, 0 without a `genrm` section)."""
+        return self.genrm.num_engines if self.genrm is not None else 0
 
 
 # ------------------------------------------------------------------- cluster
@@ -368,12 +415,20 @@ class ClusterConfig(Section):
     """Training node group (het group 0)."""
     rollout: NodeGroup = Field(default_factory=lambda: NodeGroup(nodes=0))
     """Rollout node group (het group 1); may stay empty in colocate mode (engines then share the training nodes)."""
+    reference: NodeGroup = Field(default_factory=lambda: NodeGroup(nodes=0))
+    """Reference-model node group (het group 2; `fully_async` with a reference model only): the frozen reference
+    model's workers run there, one per node. 0 nodes: no group of its own, the reference runs next to the trainer."""
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     """Slurm options."""
     container: ContainerConfig = Field(default_factory=ContainerConfig)
     """Apptainer container."""
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     """Network selection."""
+
+    @property
+    def groups(self) -> list[str]:
+        """The node groups that have nodes, in het-group order: the job's het group i is `groups[i]`."""
+        return [name for name in ("train", "rollout", "reference") if getattr(self, name).nodes]
 
 
 # ------------------------------------------------------ checkpoint, logging
@@ -430,6 +485,7 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         problems = _mode_problems(self) + _engine_problems(self) + _train_problems(self) + _algorithm_problems(self)
+        problems += _judge_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -456,6 +512,20 @@ class Recipe(Section):
 def _mode_problems(r: Recipe) -> list[str]:
     if r.mode != "colocate" and not r.cluster.rollout.nodes:
         return [f"cluster.rollout.nodes: mode {r.mode} needs a rollout node group (set it to 1 or more)"]
+    return _reference_group_problems(r)
+
+
+def _reference_group_problems(r: Recipe) -> list[str]:
+    """A reference group serves the reference service of `fully_async`; elsewhere nothing would run on it."""
+    if not r.cluster.reference.nodes:
+        return []
+    if r.mode != "fully_async":
+        return [f"cluster.reference.nodes: mode {r.mode} computes the reference log-probs inside the trainer's "
+                "processes, so a reference node group needs mode=fully_async (or set cluster.reference.nodes=0)"]
+    if not r.algorithm.uses_reference:
+        return [f"cluster.reference.nodes: algorithm {r.algorithm.name} with algorithm.kl.coef=0 uses no reference "
+                "model, so a reference node group has nothing to run (set algorithm.kl.coef above 0, or "
+                "cluster.reference.nodes=0)"]
     return []
 
 
@@ -519,6 +589,20 @@ def _batch_problems(r: Recipe) -> list[str]:
     if r.train.micro_batch_size > size // dp:
         return [f"train.micro_batch_size: {r.train.micro_batch_size} is more than the {size} // {dp} = {size // dp} "
                 f"samples each data-parallel rank has per optimizer step (train.global_batch_size / ranks)"]
+    return []
+
+
+def _judge_problems(r: Recipe) -> list[str]:
+    """`reward.genrm` serves the `genrm` reward: set exactly when something scores with it."""
+    reward, routed = r.reward, isinstance(r.data, FileData) and r.data.reward_key is not None
+    if reward.genrm is not None and reward.name != "genrm" and not routed:
+        return [f"reward.genrm: a judge model is set, but reward.name is '{reward.name}' and no data.reward_key "
+                "column routes rows to rewards, so no sample would be judged: set reward.name=genrm, or remove "
+                "reward.genrm"]
+    if reward.name == "genrm" and reward.genrm is None and not os.environ.get("RELAX_GENRM_URL"):
+        return ["reward.genrm.model: reward genrm needs a judge model: set reward.genrm.model to a model "
+                "directory or hub id (Relax starts and stops its engines), or export RELAX_GENRM_URL with the "
+                "address of a judge server of your own"]
     return []
 
 

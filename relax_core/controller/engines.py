@@ -67,7 +67,10 @@ class EngineSet:
 
         s, index = self.spec, self._next_index
         self._next_index += 1
-        actor = self._ray.remote(num_cpus=0, num_gpus=s.gpus, resources={ROLLOUT_RESOURCE: max(s.gpus, 1)})(
+        # Two threads: where it runs (`node_id`, to place the rollout service beside it) is answered
+        # while `wait_ready` still waits for the server.
+        actor = self._ray.remote(num_cpus=0, num_gpus=s.gpus, resources={ROLLOUT_RESOURCE: max(s.gpus, 1)},
+                                 max_concurrency=2)(
             EngineWorker).remote(index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads,
                                  s.seed, s.max_running_requests, s.cpus, s.trust_remote_code)
         return actor
@@ -82,6 +85,17 @@ class EngineSet:
     @property
     def urls(self) -> list[str]:
         return list(self.actors)
+
+    @property
+    def launched(self) -> list:
+        """The engine actors started at launch (the first one places the rollout service beside it)."""
+        return list(self._launched)
+
+    @property
+    def pending(self) -> bool:
+        """Changes were requested and not yet applied."""
+        with self._lock:
+            return bool(self._pending)
 
     def endpoints(self) -> list[str]:
         """Where the rollout manager sends requests: the router, or every engine."""

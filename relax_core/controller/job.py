@@ -1,9 +1,11 @@
-"""A running job: its trainer ranks, engines, rollout manager, data and metrics.
+"""A running job: its trainer ranks, engines, services, data and metrics.
 
 `Job` owns every process the run started (Ray actors and the engine
-servers they launch) and stops them on `close()`, or as soon as its set-up fails. The training loops
-(`colocate.py`) call its verbs: `rollout`, `train`, `sync_weights`,
-`checkpoint`, `resume`, `log`, `step_done`, and `stop_here` when told to stop.
+servers they launch, and in the asynchronous modes TransferQueue and the
+services of relax_core/services) and stops them on `close()`, or as soon as
+its set-up fails. The training loops (`colocate.py`, `streaming.py`) call its
+verbs: `rollout`, `train`, `train_rows`, `sync_weights`, `checkpoint`,
+`resume`, `log`, `step_done`, and `stop_here` when told to stop.
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ from typing import Any
 from relax_core.cluster.node import TRAIN_RESOURCE
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
-from relax_core.controller.preemption import Preempted
 from relax_core.controller.workers import TrainerWorker
 from relax_core.launch.rundir import RunDir
 from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = "engine_api_key"
-ROUND_KEY_STRIDE = 10_000_000  # > any step count, so (step, round) keys never collide
 
 
 class Job:
@@ -56,6 +56,8 @@ class Job:
         self.trainers: list = []
         self._ray = ray
         self.engines = None
+        self.bus = None  # TransferQueue (asynchronous modes)
+        self.services = None  # relax_core.services.launch.ServiceSet (asynchronous modes)
         try:
             self._start_processes()
             self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.tensorboard else None,
@@ -66,15 +68,38 @@ class Job:
 
     # ------------------------------------------------------------ start-up
     def _start_processes(self) -> None:
-        """Engines and trainers (loading their models in parallel), then the router, reward hub, manager."""
+        """Engines, trainers and services (loading their models in parallel), TransferQueue meanwhile
+        (asynchronous modes); then the router, and the reward hub and manager of colocate's rollout.
+        The judge engines of `reward.genrm` load theirs meanwhile too (rewards/judge_service.py)."""
+        from relax_core.rewards.judge_service import JudgeService
+
+        group = rollout_group_name(self.recipe)
+        self.judges = JudgeService.start(self._ray, self.recipe, self.run, self._threads(group),
+                                         self.cpu_sets.get(group))
         self.engines = self._engine_set()
         engines_ready = self.engines.launch(self.recipe.rollout.num_engines)
         trainers_ready = self._start_trainers()
+        if self.recipe.mode != "colocate":
+            self._start_services()
         urls = self._ray.get(engines_ready)
         self._ray.get(trainers_ready)
+        self.judge = self.judges.endpoints()  # None without reward.genrm; plain data for the reward hub
         log.info("engines ready: %s", ", ".join(urls))
         self.engines.connect(urls)
-        self._connect()
+        if self.services is not None:
+            log.info("services ready: %s", self.services.ready(self._ray))
+        else:
+            self._connect()
+
+    def _start_services(self) -> None:
+        from relax_core.data.bus import SampleBus
+        from relax_core.services.launch import ServiceSet
+
+        self.services = ServiceSet.start(self._ray, self.recipe, model_dir=str(self.model_dir),
+                                         api_key=self.run.secret(ENGINE_KEY), trainer0=self.trainers[0],
+                                         engine0=self.engines.launched[0], cpu_sets=self.cpu_sets,
+                                         train_threads=self._threads("train"))
+        self.bus = SampleBus.start(self.recipe.samples_per_step, max_partitions=self.recipe.rollout.max_staleness + 2)
 
     def _threads(self, group: str) -> int:
         """Torch threads per process: a node's cores split between the processes it hosts.
@@ -114,9 +139,10 @@ class Job:
     def _start_trainers(self) -> list:
         world = self.recipe.train_ranks
         gpus = 1 if self.recipe.cluster.train.gpus_per_node else 0
-        # Two threads: rank 0 broadcasts a snapshot of the weights while the next step trains (async modes).
+        # Three threads (asynchronous modes): while a step trains, rank 0 broadcasts the weights of the
+        # one before to the engines and every rank reads the next step's rows from TransferQueue.
         actor = self._ray.remote(num_cpus=0, num_gpus=gpus, resources={TRAIN_RESOURCE: 1},
-                                 max_concurrency=2)(TrainerWorker)
+                                 max_concurrency=3)(TrainerWorker)
         self.trainers = [actor.remote(r, world) for r in range(world)]
         self.engines.trainer0 = self.trainers[0]
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
@@ -127,7 +153,7 @@ class Job:
     def _connect(self) -> None:
         from relax_core.rewards.hub import RewardHub
 
-        self.reward_hub = RewardHub.from_config(self.recipe.reward)
+        self.reward_hub = RewardHub.from_config(self.recipe.reward, judge=self.judge)
         self.rollout_manager = self.make_rollout_manager()
 
     def clients_for(self, urls: list[str]) -> list:
@@ -149,34 +175,11 @@ class Job:
         return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system)
 
     # --------------------------------------------------------------- verbs
-    def rollout(self, step: int, manager=None, loop: asyncio.AbstractEventLoop | None = None) -> list[Sample]:
-        """The step's scored samples: one generation round, or DAPO's rounds (controller/sampling_rounds.py).
+    def rollout(self, step: int) -> list[Sample]:
+        """The step's scored samples: one generation round, or DAPO's rounds (controller/sampling_rounds.py)."""
+        from relax_core.controller.sampling_rounds import rollout_step
 
-        `manager`/`loop`: those of the calling thread (the asynchronous modes roll out in their own thread).
-        """
-        from relax_core.controller.sampling_rounds import collect_batch
-        from relax_core.rollout.client import EngineError, GenerationAborted
-
-        manager, loop = manager or self.rollout_manager, loop or self.loop
-        ro, algo = self.recipe.rollout, self.recipe.algorithm
-        try:
-            samples, stats = collect_batch(lambda r: self._generate_round(step, r, manager, loop), algo,
-                                           max_new_tokens=ro.max_new_tokens, target_groups=ro.prompts_per_step)
-        except (GenerationAborted, EngineError) as exc:
-            if self.stop.is_set():  # the engines were told to abort (controller/preemption.py)
-                raise Preempted(f"the rollout of step {step} was aborted: the run is stopping") from exc
-            raise
-        if getattr(algo, "dynamic_sampling", None) is not None:  # DAPO: log what the rounds did
-            manager.last_reward_stats = manager.last_reward_stats | stats.as_metrics()
-        return samples
-
-    def _generate_round(self, step: int, round_index: int, manager, loop) -> list[Sample]:
-        # Round r > 0 of a step samples with its own seeds and group ids (the manager derives both from this key).
-        key = step + round_index * ROUND_KEY_STRIDE
-        if self.stop.is_set():
-            raise Preempted(f"step {step} not rolled out: the run is stopping")
-        rows = self.prompts.next_batch(self.recipe.rollout.prompts_per_step)
-        return loop.run_until_complete(manager.generate(rows, key))
+        return rollout_step(step, self.recipe, self.prompts, self.rollout_manager, self.loop, self.stop.is_set)
 
     def train(self, samples: list[Sample], advantages: list[float] | None = None,
               snapshot_version: int | None = None) -> dict[str, float]:
@@ -187,15 +190,32 @@ class Job:
                                     snapshot_version) for t, (a, b) in zip(self.trainers, cuts)]
         return self._ray.get(refs)[0]
 
+    def train_rows(self, parts: list | None, fields: tuple[str, ...], version: int) -> list:
+        """Start one optimizer step on rows claimed from TransferQueue: rank r gets the metadata of its
+        shard `parts[r]` and reads the rows itself (None: the rows it prefetched for `version`); rank 0
+        keeps the new weights aside as `version`. Returns the refs of the ranks' results
+        (`train_results` reads them)."""
+        parts = parts if parts is not None else [None] * len(self.trainers)
+        return [t.train_from_bus.remote(part, fields, version) for t, part in zip(self.trainers, parts)]
+
+    def prefetch_rows(self, parts: list, fields: tuple[str, ...], step: int) -> None:
+        """Each rank reads its shard `parts[r]` of step `step` now (while the step before trains)."""
+        for trainer, part in zip(self.trainers, parts):
+            trainer.prefetch.remote(part, fields, step)
+
+    def train_results(self, refs: list) -> tuple[dict[str, float], list, list]:
+        """The metrics of a `train_rows` step, and the ids and policy versions of the samples trained on."""
+        results = self._ray.get(refs)
+        ids = [i for r in results for i in r["sample_ids"]]
+        versions = [v for r in results for v in r["versions"]]
+        fetch = max(r["metrics"]["fetch_s"] for r in results)
+        return results[0]["metrics"] | {"fetch_s": fetch}, ids, versions
+
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Broadcast to every engine: the live weights as `version`, or (None) the newest snapshot."""
         stats = self._ray.get(self.trainers[0].sync_weights.remote(version))
         self.policy_version = int(stats.get("sync_version", version or 0))
         return stats
-
-    def broadcast_snapshot(self) -> dict[str, float]:
-        """Asynchronous modes: broadcast the newest weight snapshot (its version is in `sync_version`)."""
-        return self._ray.get(self.trainers[0].sync_weights.remote(None))
 
     def checkpoint(self, step: int, data_state: dict | None = None) -> None:
         """Save every rank's state; `data_state`: the prompt cursor as of this step (when rollout runs ahead)."""
@@ -250,6 +270,10 @@ class Job:
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
+        if self.services is not None:
+            self.services.stop(self._ray)
+        if self.bus is not None:
+            self.bus.close()
         refs = [t.close.remote() for t in self.trainers]
         try:
             self._ray.get(refs, timeout=30)
@@ -259,6 +283,8 @@ class Job:
             self._ray.kill(trainer)
         if self.engines is not None:
             self.engines.stop()
+        if getattr(self, "judges", None) is not None:
+            self.judges.stop()
         if hasattr(self, "rollout_manager"):
             self.rollout_manager.close(self.loop)
         if hasattr(self, "reward_hub"):

@@ -1,6 +1,7 @@
 """One step's rollout batch, in one or more generation rounds: DAPO's overlong shaping and dynamic sampling.
 
-`Job.rollout` calls `collect_batch` with a function that generates and scores
+`rollout_step` (called by `Job.rollout` in colocate and by the rollout service
+of the asynchronous modes) calls `collect_batch` with a function that generates and scores
 one round of `rollout.prompts_per_step` prompts. For most algorithms that is
 the whole batch. For DAPO (algorithms/dapo.py holds the formulas):
 
@@ -94,3 +95,36 @@ def collect_batch(generate_round: Callable[[int], list[Sample]], algorithm, *, m
     if not kept:
         return last, stats
     return [s for group in kept for s in group], stats
+
+
+ROUND_KEY_STRIDE = 10_000_000  # > any step count, so (step, round) keys never collide
+
+
+def rollout_step(step: int, recipe, prompts, manager, loop, stopping: Callable[[], bool]) -> list[Sample]:
+    """The step's scored samples from `prompts` through `manager` (on the caller's event `loop`).
+
+    `stopping()` true: the run is stopping, so generation aborted by the engines (controller/preemption.py)
+    or a round not yet started raise `Preempted`: the step's samples are dropped.
+    """
+    from relax_core.controller.preemption import Preempted
+    from relax_core.rollout.client import EngineError, GenerationAborted
+
+    ro, algo = recipe.rollout, recipe.algorithm
+
+    def one_round(round_index: int) -> list[Sample]:
+        # Round r > 0 of a step samples with its own seeds and group ids (the manager derives both from this key).
+        if stopping():
+            raise Preempted(f"step {step} not rolled out: the run is stopping")
+        rows = prompts.next_batch(ro.prompts_per_step)
+        return loop.run_until_complete(manager.generate(rows, step + round_index * ROUND_KEY_STRIDE))
+
+    try:
+        samples, stats = collect_batch(one_round, algo, max_new_tokens=ro.max_new_tokens,
+                                       target_groups=ro.prompts_per_step)
+    except (GenerationAborted, EngineError) as exc:
+        if stopping():
+            raise Preempted(f"the rollout of step {step} was aborted: the run is stopping") from exc
+        raise
+    if getattr(algo, "dynamic_sampling", None) is not None:  # DAPO: log what the rounds did
+        manager.last_reward_stats = manager.last_reward_stats | stats.as_metrics()
+    return samples

@@ -12,6 +12,7 @@ engines, the router and the checkpoint's HF copy all load the same tokenizer.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -25,6 +26,8 @@ TOKENIZER_FILES = frozenset({
     "chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt",
     "merges.txt",
 })
+log = logging.getLogger(__name__)
+_prepared: dict[tuple[str, str], Path] = {}  # (run directory, model section) -> its model directory
 
 
 def trust_remote_code(recipe: Recipe) -> bool:
@@ -33,7 +36,19 @@ def trust_remote_code(recipe: Recipe) -> bool:
 
 
 def prepare_model_dir(recipe: Recipe, run: RunDir) -> Path:
-    """The HF model directory trainers and engines load (built, local, or fetched once)."""
+    """The HF model directory trainers and engines load (built, local, or fetched once).
+
+    Once per process and run: the local driver prepares it while Ray starts
+    (entrypoints/local_driver.py), and the job then finds it ready.
+    """
+    key = (str(run.path), recipe.model.model_dump_json())
+    if key not in _prepared or not _prepared[key].exists():
+        _prepared[key] = _model_dir(recipe, run)
+        log.info("model directory ready: %s", _prepared[key])
+    return _prepared[key]
+
+
+def _model_dir(recipe: Recipe, run: RunDir) -> Path:
     model = recipe.model
     target = run.path / "model"
     if isinstance(model, TinyModel):
@@ -85,6 +100,7 @@ def resolve_model_path(path: str) -> Path:
 
 def trainer_config(recipe: Recipe):
     """The torch backend's settings for this recipe."""
+    from relax_core.services.launch import reference_service
     from relax_core.train.config import TorchTrainerConfig
 
     train, algo = recipe.train, recipe.algorithm
@@ -98,6 +114,7 @@ def trainer_config(recipe: Recipe):
         selection_kwargs=algo.selection_kwargs(), loss_agg=algo.loss_agg,
         norm_len=algo.norm_len or recipe.rollout.max_new_tokens,
         use_kl_loss=algo.kl_loss_coef > 0, kl_coef=algo.kl_loss_coef, use_reference=algo.uses_reference,
+        reference_service=reference_service(recipe),
         kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed,
         dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe),
         **_teacher(algo), **_critic(algo),

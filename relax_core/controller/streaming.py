@@ -1,98 +1,216 @@
-"""`fully_async` and `hybrid` modes: rollout and training at the same time, joined by TransferQueue.
+"""`fully_async` and `hybrid` modes: every role a service, samples streamed through TransferQueue.
 
-    rollout thread (producer.py)                     training loop (here)
-    ----------------------------                     --------------------
-    step s: wait for version >= s-1-max_staleness    step s: take partition s from the bus
-            newest weights -> engines                        train on it (rank 0 snapshots version s)
-            generate, score -> bus partition s               publish version s; clear partition s
-            [fully_async] advantage stage adds               log, checkpoint
-            `advantages` to the partition
-    told to stop (job.stop)? the rollout thread's generation is aborted and dropped; the trainer
+    rollout service (services/rollout.py)            driver (here): metadata only
+    -------------------------------------            ----------------------------
+    step s: wait for version >= s-1-max_staleness    step s: record s from the rollout service
+            newest weights -> engines                        wait for its downstream services
+            generate, score -> TransferQueue s               claim the complete rows (metadata)
+            ask reference / advantage services               each trainer rank reads its shard from
+            to process s; record s                           TransferQueue and trains (rank 0 keeps
+                                                             version s aside); publish s; free s
+                                                             check: every sample once, staleness kept
+    told to stop (job.stop)? the engines abort the step being generated, which is dropped; the driver
     checkpoints the last step it trained, with the prompt cursor as of that step, and returns "stopped"
 
-The two modes differ in where the step's advantages are computed: in
-`fully_async` an advantage stage on the rollout side reads the partition's
-rewards and group ids from the bus and writes the advantages back (for the
-outcome estimators, which need nothing else; the others fall back to the
-trainer); in `hybrid` the actor computes them in its own process, as it
-does the reference log-probs in both modes. Truncated importance sampling
-corrects for the samples' age by default in both (algorithm.tis_cap).
+The two modes differ in who computes the reference log-probs and the
+advantages: in `fully_async` the reference workers and the advantage service
+write them into each step's rows (services/fields.py; advantages where the
+estimator is outcome-only, else the trainer computes them); in `hybrid` the
+trainer ranks compute both in their own processes, as in colocate.
+Truncated importance sampling corrects for the samples' age by default in
+both (algorithm.tis_cap). Engine changes requested meanwhile are applied with
+the rollout service held at a safe point (between two batches).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass
 from statistics import fmean
 
-from relax_core.controller.job import Job, timed
+from relax_core.controller.job import Job
 from relax_core.controller.preemption import Preempted
-from relax_core.controller.producer import RolloutProducer, StepRecord, VersionGate
-from relax_core.rollout.types import Sample
+from relax_core.services.rollout import StepRecord
 
 log = logging.getLogger(__name__)
-TAKE_TIMEOUT_S = 3600.0  # one step's rollout; a dead producer is noticed at once, not after this
+TAKE_TIMEOUT_S = 3600.0  # one step's rollout; a dead rollout service is noticed at once, not after this
+POLL_S = 0.5  # how often a waiting driver looks at job.stop
 
 
 def train_fully_async(job: Job) -> str:
-    return train_streaming(job, advantage_stage(job.recipe))
+    return train_streaming(job)
 
 
 def train_hybrid(job: Job) -> str:
-    return train_streaming(job, None)
+    return train_streaming(job)
 
 
-def train_streaming(job: Job, advantages) -> str:
-    from relax_core.data.bus import SampleBus
-
-    total, staleness = job.recipe.train.steps, job.recipe.rollout.max_staleness
+def train_streaming(job: Job) -> str:
+    total = job.recipe.train.steps
     start = job.resume()
-    bus = SampleBus.start(job.recipe.samples_per_step, max_partitions=staleness + 2)
-    gate = VersionGate(start)
-    producer = RolloutProducer(job, bus, gate, start + 1, total, advantages)
-    producer.start()
-    fields = ("advantages",) if advantages is not None else ()
-    last_end = time.perf_counter()
+    services, ray = job.services, job._ray
+    ray.get(services.rollout.start.remote(start + 1, total, job.engines.endpoints(), job.prompts.state_dict(),
+                                          job.policy_version, services.downstream, job.judge))
+    world, fields = len(job.trainers), services.fields
+    last_done = time.perf_counter()
+    upcoming = Upcoming(job, start + 1)
+    books = None  # the step trained last, whose records are written while the next one trains
     try:
         for step in range(start + 1, total + 1):
+            engine_stats = apply_engine_changes(job)
             try:
-                (record, (samples, extra)), wait_s = timed(_take, producer, bus, step, fields)
+                upcoming.wait()
             except Preempted:
+                if books is not None:
+                    books.write(job)  # the step trained last is complete: the checkpoint holds it
                 return job.stop_here()
-            depth = bus.depth()
-            train_metrics, train_s = timed(job.train, samples, extra.get("advantages"), step)
-            gate.publish(step)
+            record, parts = upcoming.record, None if upcoming.prefetched else upcoming.meta.chunk(world)
+            dispatched = time.perf_counter()
+            refs = job.train_rows(parts, fields, step)
+            if books is not None:
+                books.write(job)
+            upcoming = Upcoming(job, step + 1) if step < total else None
+            if upcoming is not None:
+                upcoming.prefetch_while(refs)
+            train_metrics, ids, versions = job.train_results(refs)
+            done = time.perf_counter()
+            services.rollout.publish.remote(step)
             job.policy_version = step
-            bus.clear(step)
-            now = time.perf_counter()
-            job.log(step, stream_metrics(samples, record, step, wait_s, train_s, now - last_end, depth)
-                    | record.reward_stats | record.engine_stats | train_metrics)
-            last_end = now
-            job.step_done(step, record.data_state)  # the cursor as of this step, not the producer's now
-            if step % job.recipe.checkpoint.interval == 0 or step == total:
+            books = Books(step, record, ids, versions, engine_stats | train_metrics, dispatched - last_done,
+                          done - dispatched, done - last_done)
+            last_done = done
+            checkpoint = step % job.recipe.checkpoint.interval == 0 or step == total
+            # the next step's rows are read already: start it first, write these records while it trains
+            if checkpoint or job.stop.is_set() or upcoming is None or not upcoming.prefetched:
+                books.write(job)
+                books = None
+            if checkpoint:
                 job.checkpoint(step, record.data_state)
             if job.stop.is_set() and step < total:
                 return job.stop_here()
         return "completed"
     finally:
-        producer.stop()
-        bus.close()
+        services.rollout.halt.remote()
 
 
-def _take(producer: RolloutProducer, bus, step: int, fields) -> tuple[StepRecord, tuple[list[Sample], dict]]:
-    record = producer.record(step, TAKE_TIMEOUT_S)
-    return record, bus.take(step, record.count, fields)
+@dataclass
+class Books:
+    """A trained step's records, written (checks, metrics, freed partition) while the next step trains."""
+
+    step: int
+    record: StepRecord
+    ids: list[int]
+    versions: list[int]
+    metrics: dict[str, float]
+    idle_s: float  # the trainer ranks waited for this step's rows (or for the driver) this long
+    train_s: float
+    step_s: float
+
+    def write(self, job: Job) -> None:
+        check_trained(self.step, self.record, self.ids, self.versions, job.recipe.rollout.max_staleness)
+        job.bus.clear(self.step)
+        depth = job.bus.depth()
+        job.log(self.step, stream_metrics(self.record, self.versions, self.step, self.idle_s, self.train_s,
+                                          self.step_s, depth) | self.record.reward_stats | self.metrics)
+        job.step_done(self.step, self.record.data_state)  # the cursor as of this step, not the rollout's now
 
 
-def stream_metrics(samples: list[Sample], record: StepRecord, step: int, wait_s: float, train_s: float,
+class Upcoming:
+    """The next step's rows as they become ready: the rollout's record, then the services' columns, then
+    the rows claimed (metadata only). `prefetch_while` gets that far while the step before trains and
+    hands each rank its shard to read at once; `wait` blocks for what is left."""
+
+    def __init__(self, job: Job, step: int):
+        self.job, self.step = job, step
+        self._record_ref = job.services.rollout.record.remote(step, TAKE_TIMEOUT_S)
+        self.record: StepRecord | None = None
+        self._pending: list = []
+        self.meta = None
+        self.prefetched = False
+
+    def _waitables(self) -> list:
+        return [self._record_ref] if self.record is None else self._pending
+
+    def _advance(self, timeout_s: float) -> bool:
+        """Progress for at most `timeout_s`; True once the rows are claimed."""
+        ray = self.job._ray
+        if self.record is None:
+            if not ray.wait([self._record_ref], timeout=timeout_s)[0]:
+                return False
+            try:
+                self.record = ray.get(self._record_ref)
+            except Exception as exc:
+                if self.job.stop.is_set():  # an abort racing the stop: the rollout ended, as asked
+                    raise Preempted(f"step {self.step} not trained: the run is stopping") from exc
+                raise
+            if self.record is None:
+                raise TimeoutError(f"no samples for step {self.step} after {TAKE_TIMEOUT_S:.0f}s")
+            self._pending = list(self.record.downstream)
+        if self._pending:
+            done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=timeout_s)
+            ray.get(done)  # a service's error surfaces here
+            if self._pending:
+                return False
+        if self.meta is None:
+            self.meta = self.job.bus.claim(self.step, self.record.count, self.job.services.fields, stop=self.job.stop)
+        return True
+
+    def wait(self) -> None:
+        """Block until the rows are claimed; raises `Preempted` once the run is told to stop."""
+        while not self._advance(POLL_S):
+            if self.job.stop.is_set():
+                raise Preempted(f"step {self.step} not trained: the run is stopping")
+
+    def prefetch_while(self, training: list) -> None:
+        """While `training` (refs) runs: get the rows ready and have each rank read its shard."""
+        ray = self.job._ray
+        while not self.job.stop.is_set():
+            busy = ray.wait(training, num_returns=len(training), timeout=0)[1]
+            if not busy:
+                return
+            ray.wait(self._waitables() + busy, num_returns=1, timeout=POLL_S)
+            if self._advance(0):
+                self.job.prefetch_rows(self.meta.chunk(len(self.job.trainers)), self.job.services.fields, self.step)
+                self.prefetched = True
+                return
+
+
+def apply_engine_changes(job: Job) -> dict[str, float]:
+    """Engines added or removed since the last step, applied with the rollout service held between
+    two batches (an added engine gets the weights before its first request)."""
+    if not job.engines.pending:
+        return {"engines": float(len(job.engines.urls))}
+    rollout, ray = job.services.rollout, job._ray
+    ray.get(rollout.pause.remote())
+    changed: list[list[str]] = []
+    try:
+        return job.engines.apply_pending(job.loop, changed.append)
+    finally:
+        rollout.resume.remote(changed[-1] if changed else None)
+
+
+def check_trained(step: int, record: StepRecord, ids: list[int], versions: list[int], max_staleness: int) -> None:
+    """Every sample the rollout produced for `step` was trained on exactly once, none older than the bound."""
+    if Counter(ids) != Counter(record.sample_ids):
+        raise RuntimeError(f"step {step}: trained on {len(ids)} samples ({len(set(ids))} distinct), the rollout "
+                           f"produced {record.count}: the data plane lost or duplicated rows")
+    stale = [step - 1 - v for v in versions]
+    if stale and (min(stale) < 0 or max(stale) > max_staleness):
+        raise RuntimeError(f"step {step}: sample staleness {min(stale)}..{max(stale)} is outside "
+                           f"0..{max_staleness} (rollout.max_staleness)")
+
+
+def stream_metrics(record: StepRecord, versions: list[int], step: int, wait_s: float, train_s: float,
                    step_s: float, depth: int) -> dict[str, float]:
-    staleness = [step - 1 - s.policy_version for s in samples]
-    lengths = [s.response_len for s in samples]
+    staleness = [step - 1 - v for v in versions]
+    stats = record.sample_stats
     return {
-        "reward_mean": fmean(s.reward for s in samples) if samples else 0.0,
-        "response_len_mean": fmean(lengths) if lengths else 0.0,
-        "truncated_frac": fmean(s.finish_reason == "length" for s in samples) if samples else 0.0,
-        "samples": float(len(samples)),
+        "reward_mean": stats.get("reward_mean", 0.0),
+        "response_len_mean": stats.get("response_len_mean", 0.0),
+        "truncated_frac": stats.get("truncated_frac", 0.0),
+        "samples": float(record.count),
         "rollout_s": record.generate_s,
         "train_s": train_s,
         "sync_s": record.sync_s,
@@ -104,30 +222,6 @@ def stream_metrics(samples: list[Sample], record: StepRecord, step: int, wait_s:
         "queue_depth": float(depth),
         "trainer_idle_s": wait_s,
         "rollout_idle_s": record.idle_s,
-        "samples_per_s": len(samples) / max(step_s, 1e-9),
-        "tokens_per_s": sum(lengths) / max(step_s, 1e-9),
+        "samples_per_s": record.count / max(step_s, 1e-9),
+        "tokens_per_s": stats.get("response_tokens", 0.0) / max(step_s, 1e-9),
     }
-
-
-def advantage_stage(recipe):
-    """The rollout-side advantage function of `fully_async` where the algorithm's spec declares its
-    advantages `outcome_only` (rewards and group ids suffice); None where the trainer computes them."""
-    algo = recipe.algorithm
-    spec = algo.spec
-    if not spec.outcome_only:
-        return None
-    import torch
-
-    from relax_core.algorithms.estimators import AdvantageBatch
-    from relax_core.algorithms.registry import get_estimator
-    from relax_core.train.step_advantages import dense_ids
-
-    estimator, kwargs = get_estimator(spec.advantage_estimator), algo.estimator_kwargs()
-
-    def compute(samples: list[Sample]) -> list[float]:
-        batch = AdvantageBatch(rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
-                               group_ids=dense_ids([s.group_id for s in samples]),
-                               mask=torch.ones((len(samples), 1)))
-        return estimator(batch, **kwargs).advantages[:, 0].tolist()
-
-    return compute

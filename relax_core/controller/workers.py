@@ -19,6 +19,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -71,6 +72,9 @@ class TrainerWorker:
         self.snapshot = None  # (version, [(name, tensor)]) taken after a step in the asynchronous modes
         self.sent = None  # (version, tensors or None for the live weights) of the last broadcast
         self.store = None  # rank 0: the data-parallel group's rendezvous store, which it hosts
+        self.bus = None  # TransferQueue, attached on the first step read from it (asynchronous modes)
+        self._prefetched: dict[int, list] = {}  # step -> [read, (samples, columns, seconds) or the error]
+        self._prefetch_lock = threading.Lock()
 
     def rendezvous_address(self) -> str:
         """Rank 0: host the data-parallel group's store on its node; returns its address:port
@@ -111,15 +115,66 @@ class TrainerWorker:
         self.trainer = TorchTrainer(model_dir, config)
         return self.rank
 
+    def node_id(self) -> str:
+        from relax_core.services.placement import node_id
+
+        return node_id()
+
     def train_step(self, samples: list, advantages: list[float] | None = None,
-                   snapshot_version: int | None = None) -> dict[str, float]:
+                   snapshot_version: int | None = None, ref_logprobs: list | None = None) -> dict[str, float]:
         """One optimizer step. With `snapshot_version` (asynchronous modes, rank 0) the new weights are
         copied aside as that version, so `sync_weights` can broadcast them while the next step trains."""
-        metrics = self.trainer.train_step(samples, advantages)
+        metrics = self.trainer.train_step(samples, advantages, ref_logprobs)
         if snapshot_version is not None and self.rank == 0:
             self.snapshot = (snapshot_version, [(n, t.detach().clone()) for n, t in
                                                 self.trainer.named_parameters_for_sync()])
         return metrics
+
+    def prefetch(self, meta, fields: tuple[str, ...], step: int) -> None:
+        """Read step `step`'s shard (`meta`) from TransferQueue now, while the step before trains."""
+        slot = self._slot(step)
+        try:
+            slot[1] = self._fetch(meta, fields)
+        except BaseException as exc:  # raised again by the step that trains on these rows
+            slot[1] = exc
+        finally:
+            slot[0].set()
+
+    def _slot(self, step: int) -> list:
+        """[read event, fetched] of a prefetched step (whichever of prefetch and train comes first makes it)."""
+        import threading
+
+        with self._prefetch_lock:
+            return self._prefetched.setdefault(step, [threading.Event(), None])
+
+    def train_from_bus(self, meta, fields: tuple[str, ...], snapshot_version: int) -> dict[str, Any]:
+        """One optimizer step on the rows `meta` claims, read here straight from TransferQueue (the
+        driver handed over their metadata only), or (`meta` None) on those `prefetch` read for step
+        `snapshot_version`. Returns the metrics and which samples were trained on (ids and policy
+        versions), for the driver's exactly-once and staleness checks."""
+        if meta is None:
+            slot = self._slot(snapshot_version)
+            slot[0].wait()
+            with self._prefetch_lock:
+                fetched = self._prefetched.pop(snapshot_version)[1]
+            if isinstance(fetched, BaseException):
+                raise RuntimeError(f"step {snapshot_version}: reading its rows from TransferQueue failed") from fetched
+        else:
+            fetched = self._fetch(meta, fields)
+        samples, extra, fetch_s = fetched
+        metrics = self.train_step(samples, extra.get("advantages"), snapshot_version, extra.get("ref_logprobs"))
+        return {"metrics": metrics | {"fetch_s": fetch_s}, "sample_ids": [s.sample_id for s in samples],
+                "versions": [s.policy_version for s in samples]}
+
+    def _fetch(self, meta, fields: tuple[str, ...]) -> tuple[list, dict, float]:
+        from relax_core.data.bus import SampleBus
+
+        with self._prefetch_lock:  # a step's read and the next one's prefetch may both come first
+            if self.bus is None:
+                self.bus = SampleBus.attach()
+        start = time.perf_counter()
+        samples, extra = self.bus.fetch(meta, fields)
+        return samples, extra, time.perf_counter() - start
 
     def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int) -> None:
         """Rank 0: form the weight-update group with every engine."""
@@ -179,6 +234,8 @@ class TrainerWorker:
     def close(self) -> None:
         if self.broadcaster is not None:
             self.loop.run_until_complete(self.broadcaster.close())
+        if self.bus is not None:
+            self.bus.close()
 
 
 def _in_child(parent_pid: int, cpus: list[int] | None) -> None:
@@ -219,6 +276,11 @@ class EngineWorker:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def node_id(self) -> str:
+        from relax_core.services.placement import node_id
+
+        return node_id()
 
     def wait_ready(self, timeout_s: float = ENGINE_READY_TIMEOUT_S) -> str:
         import httpx

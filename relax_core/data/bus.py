@@ -1,15 +1,24 @@
-"""The sample bus: TransferQueue between rollout and training in the asynchronous modes.
+"""The sample bus: TransferQueue as the data plane of the asynchronous modes.
 
-    RolloutManager --put--> [ partition "step-<n>" ] --add_field--> advantage stage
-                                      |                 (writes field "advantages" on the same rows)
-                                      +--take--> Trainer
+    rollout service --put--> [ partition "step-<n>" ] <--process-- reference, advantage services
+                                      |                           (each reads the columns it needs and
+                                      |                            writes its own on the same rows)
+        driver --claim--> row metadata only --> trainer ranks --fetch--> their own shard of complete rows
 
 This is the only module that touches the `transferqueue` package (see DESIGN.md,
-"The engine"). One partition holds the rows of one training step; each row is
+"The engine"). Every process of the job reaches the same bus: the driver
+starts it (`start`), the services and trainer ranks `attach` to it. The
+driver only ever claims rows (`claim`: a `BatchMeta`, indexes and field
+names, no tensors) and hands the claimed metadata to the trainer ranks, which
+read the tensors straight from TransferQueue's storage (`fetch`).
+One partition holds the rows of one training step; each row is
 one `Sample` spread over columns. Variable-length columns (token ids, log-probs,
 loss mask) travel as jagged nested tensors, scalars as 1-D tensors, and the
 free-form columns (finish_reason, label, metadata) as JSON strings, so they come
 back exactly (JSON types: a tuple comes back as a list).
+
+A service's column is either one number per row (advantages) or one number
+per response token (reference log-probs: a jagged column, as the log-probs).
 
 Which rows a consumer gets and that it gets each row once is TransferQueue's
 consumption tracking (one task name per consumer). TransferQueue reuses the
@@ -21,7 +30,8 @@ groups and `count` is a multiple of the group size, a group's rows arrive
 together in one take.
 
 TransferQueue keeps process-wide state: one SampleBus per process, and one per
-Ray cluster (its controller is a named actor).
+Ray cluster (its controller is a named actor). Only the bus that started it
+stops it; an attached bus closes just its own client.
 """
 
 from __future__ import annotations
@@ -37,9 +47,10 @@ from relax_core.rollout.types import Sample
 
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
                   "policy_version", "sample_id", "finish_reason", "label", "metadata")
+TOKEN_COLUMNS = frozenset({"ref_logprobs"})  # services' columns with one value per response token
 TRAINER = "trainer"  # the consumer whose takes `depth` counts
 SEQ = "relax_seq"  # put order, in each row's custom_meta
-POLL_S = 0.05  # TransferQueue's controller answers "not ready" at once in polling mode; we wait here
+POLL_S = 0.005  # TransferQueue's controller answers "not ready" at once in polling mode; we wait here
 _TQ_ACTOR = ("TransferQueueController", "transfer_queue")  # (name, namespace) of TQ's controller
 
 
@@ -62,22 +73,26 @@ def _put_order_sampler():
 
 
 def _storage_units() -> int:
-    """One storage unit per node, as far as free CPUs allow (TQ actors take 1 CPU each)."""
+    """One storage unit per training node (the rows' readers): Relax's own actors hold no Ray CPU, and
+    each training node adds one CPU for its unit (cluster/node.py; two on one machine, local_driver.py)."""
     import ray
+
+    from relax_core.cluster.node import TRAIN_RESOURCE
 
     free = int(ray.available_resources().get("CPU", 0))
     if free < 2:
         raise RuntimeError(f"TransferQueue needs 2 free Ray CPUs (controller + 1 storage unit), the cluster has "
                            f"{free}: start Ray with num_cpus 2 higher")
-    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(TRAIN_RESOURCE, 0) > 0)
     return max(1, min(nodes, free - 1))
 
 
 class SampleBus:
     """TransferQueue as the data bus: one partition per training step ("step-<n>")."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, owner: bool = True) -> None:
         self._client = client
+        self._owner = owner  # started TransferQueue (and stops it on close), or attached to it
         self._next_seq: dict[int, int] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -93,6 +108,8 @@ class SampleBus:
         import transfer_queue as tq
         from omegaconf import OmegaConf
 
+        from relax_core.cluster.node import TRAIN_RESOURCE
+
         try:
             ray.get_actor(*_TQ_ACTOR)
             raise RuntimeError("a TransferQueue already runs in this Ray cluster; close its SampleBus first")
@@ -105,10 +122,22 @@ class SampleBus:
         conf = OmegaConf.create({
             "controller": {"sampler": _put_order_sampler(), "polling_mode": True},
             "backend": {"storage_backend": "SimpleStorage",
-                        "SimpleStorage": {"num_data_storage_units": units, "total_storage_size": capacity}},
+                        "SimpleStorage": {"num_data_storage_units": units, "total_storage_size": capacity,
+                                          "required_node_resource": TRAIN_RESOURCE}},
         }, flags={"allow_objects": True})
         tq.init(conf)
         return cls(tq.get_client())
+
+    @classmethod
+    def attach(cls) -> SampleBus:
+        """The bus the driver started, from another process of the same Ray cluster (a service, a rank)."""
+        import psutil
+
+        os.environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or 1)))
+        import transfer_queue as tq
+
+        tq.init()  # a controller runs: this only connects a client to it
+        return cls(tq.get_client(), owner=False)
 
     def put(self, step: int, samples: list[Sample]) -> None:
         """Write the rollout fields of `samples` as new rows of partition `step` (callable repeatedly)."""
@@ -126,49 +155,78 @@ class SampleBus:
         self._client.set_custom_meta(meta)
         self._client.put(data, metadata=meta)
 
-    def add_field(self, step: int, name: str, consumer: str, fn: Callable[[list[Sample]], list[float]]) -> int:
-        """Compute `fn(samples)` for the rows `consumer` has not processed yet; write it as field `name`.
+    def process(self, step: int, consumer: str, inputs: tuple[str, ...], output: str,
+                fn: Callable[[dict[str, list]], list], max_rows: int | None = None) -> int:
+        """A service's turn: compute `fn(columns)` for rows of partition `step` that `consumer` has not
+        processed yet and write the result as column `output` of the same rows.
 
-        Returns the number of rows processed. The rows count as processed once read: if `fn`
-        raises, they are not offered to this consumer again (the run should stop).
+        `fn` gets the `inputs` columns as lists (one value per row) and returns one value per row: a
+        number, or a list of numbers (a per-token column). At most `max_rows` rows are taken (several
+        workers of one service share a partition this way). Returns the number of rows processed;
+        they count as processed once read, so rows whose `fn` raised are not offered again.
         """
         import torch
         from tensordict import TensorDict
 
         pid = partition_id(step)
-        ready = self._ready(pid, list(ROLLOUT_FIELDS), consumer)
+        ready = self._ready(pid, list(inputs), consumer)
         if ready == 0:
             return 0
-        meta = self._client.get_meta(data_fields=list(ROLLOUT_FIELDS), batch_size=ready, partition_id=pid,
+        size = min(ready, max_rows) if max_rows is not None else ready
+        meta = self._client.get_meta(data_fields=list(inputs), batch_size=size, partition_id=pid,
                                      mode="fetch", task_name=consumer)
         if meta.size == 0:
             return 0
-        values = fn(_to_samples(self._client.get_data(meta), meta.size))
+        data = self._client.get_data(meta)
+        values = fn({name: _column(data[name], meta.size) for name in inputs})
         if len(values) != meta.size:
-            raise ValueError(f"add_field {name!r}: fn returned {len(values)} values for {meta.size} samples")
-        column = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        self._client.put(TensorDict({name: column}, batch_size=meta.size), metadata=meta)
+            raise ValueError(f"{consumer}: computed {len(values)} values of {output!r} for {meta.size} rows")
+        if values and isinstance(values[0], (list, tuple)):
+            column = jagged_column(values, torch.float64)
+        else:
+            column = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        self._client.put(TensorDict({output: column}, batch_size=meta.size), metadata=meta)
         return meta.size
 
-    def take(self, step: int, count: int, fields: tuple[str, ...] = (), consumer: str = TRAINER,
-             timeout_s: float = 600) -> tuple[list[Sample], dict[str, list]]:
-        """Block until `count` complete rows of partition `step` are there; return them once per consumer."""
+    def add_field(self, step: int, name: str, consumer: str, fn: Callable[[list[Sample]], list[float]]) -> int:
+        """`process` with whole `Sample`s as the input (every rollout column)."""
+        return self.process(step, consumer, ROLLOUT_FIELDS, name, lambda columns: fn(_samples_of(columns)))
+
+    def claim(self, step: int, count: int, fields: tuple[str, ...] = (), consumer: str = TRAINER,
+              timeout_s: float = 600, stop: threading.Event | None = None):
+        """Block until `count` complete rows (rollout columns and `fields`) of partition `step` are there;
+        claim them for `consumer` (once each) and return their metadata: a TransferQueue `BatchMeta`
+        (row indexes and field names; no tensors), which `fetch` turns into data in any process."""
         if count < 1:
-            raise ValueError(f"take: count must be >= 1, got {count}")
+            raise ValueError(f"claim: count must be >= 1, got {count}")
         pid, needed = partition_id(step), list(ROLLOUT_FIELDS) + list(fields)
-        deadline = time.monotonic() + timeout_s
+        deadline, pause = time.monotonic() + timeout_s, POLL_S / 5
         while True:
             meta = self._client.get_meta(data_fields=needed, batch_size=count, partition_id=pid,
                                          mode="fetch", task_name=consumer)
             if meta.size:
-                break
+                return meta
+            if stop is not None and stop.is_set():
+                raise InterruptedError(f"step {step}: stopped while waiting for its rows")
             if time.monotonic() > deadline:
                 ready = self._ready(pid, needed, consumer)
                 raise TimeoutError(f"step {step}: {count} rows with fields {needed} for {consumer!r} not there "
                                    f"after {timeout_s:g} s ({ready} ready)")
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_S)
+
+    def fetch(self, meta, fields: tuple[str, ...] = ()) -> tuple[list[Sample], dict[str, list]]:
+        """The claimed rows of `meta` as `Sample`s, and the extra `fields` as one value per row."""
+        if meta.size == 0:
+            return [], {f: [] for f in fields}
         data = self._client.get_data(meta)
-        return _to_samples(data, meta.size), {f: [_scalar(v) for v in _column(data[f], meta.size)] for f in fields}
+        extra = {f: [v if f in TOKEN_COLUMNS else scalar(v) for v in _column(data[f], meta.size)] for f in fields}
+        return _to_samples(data, meta.size), extra
+
+    def take(self, step: int, count: int, fields: tuple[str, ...] = (), consumer: str = TRAINER,
+             timeout_s: float = 600) -> tuple[list[Sample], dict[str, list]]:
+        """`claim` and `fetch` in one process: `count` complete rows of partition `step`, once per consumer."""
+        return self.fetch(self.claim(step, count, fields, consumer, timeout_s), fields)
 
     def depth(self) -> int:
         """Rows written and not yet taken by the trainer, over all partitions."""
@@ -185,9 +243,12 @@ class SampleBus:
             self._next_seq.pop(step, None)
 
     def close(self) -> None:
-        """Stop what start() started (TQ actors), idempotent."""
+        """Stop what start() started (TQ actors), or close an attached bus's own client; idempotent."""
         if not self._closed:
             self._closed = True
+            if not self._owner:
+                self._client.close()
+                return
             import transfer_queue as tq
 
             tq.close()
@@ -209,10 +270,9 @@ def _to_columns(samples: list[Sample]):
     from tensordict.tensorclass import NonTensorStack
 
     def jagged(name: str, dtype):
-        rows = [torch.tensor(getattr(s, name), dtype=dtype) for s in samples]
-        return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+        return jagged_column([getattr(s, name) for s in samples], dtype)
 
-    def scalar(name: str, dtype):
+    def number(name: str, dtype):
         return torch.tensor([getattr(s, name) for s in samples], dtype=dtype)
 
     def text(name: str):
@@ -221,17 +281,35 @@ def _to_columns(samples: list[Sample]):
     return TensorDict({
         "prompt_ids": jagged("prompt_ids", torch.int64), "response_ids": jagged("response_ids", torch.int64),
         "rollout_logprobs": jagged("rollout_logprobs", torch.float64), "loss_mask": jagged("loss_mask", torch.int64),
-        "reward": scalar("reward", torch.float64), "group_id": scalar("group_id", torch.int64),
-        "policy_version": scalar("policy_version", torch.int64), "sample_id": scalar("sample_id", torch.int64),
+        "reward": number("reward", torch.float64), "group_id": number("group_id", torch.int64),
+        "policy_version": number("policy_version", torch.int64), "sample_id": number("sample_id", torch.int64),
         "finish_reason": text("finish_reason"), "label": text("label"), "metadata": text("metadata"),
     }, batch_size=len(samples))
+
+
+def jagged_column(rows: list, dtype):
+    """Variable-length rows as one jagged nested tensor, built from one flat tensor and the row offsets
+    (a tensor per row would cost more than the data)."""
+    import itertools
+    import logging
+
+    import torch
+
+    # torch 2.13 logs a deprecation note of its own fx tracer on the first call; nothing of ours to act on
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    offsets = torch.tensor([0, *itertools.accumulate(len(r) for r in rows)], dtype=torch.int64)
+    values = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype)
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
 def _column(value: Any, n: int) -> list:
     """One column from get_data as n plain Python values (TQ may return dense columns as nested tensors)."""
     import torch
 
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) and value.is_nested and value.layout == torch.jagged:
+        flat, bounds = value.values().tolist(), value.offsets().tolist()  # one conversion for the whole column
+        rows = [flat[a:b] for a, b in zip(bounds, bounds[1:])]
+    elif isinstance(value, torch.Tensor):
         rows = [row.tolist() for row in value.unbind(0)]
     else:
         rows = list(value.tolist() if hasattr(value, "tolist") else value)
@@ -240,19 +318,23 @@ def _column(value: Any, n: int) -> list:
     return rows
 
 
-def _scalar(value: Any) -> Any:
+def scalar(value: Any) -> Any:
     while isinstance(value, list):  # a scalar stored as [B] may come back as [B, 1]
         value = value[0]
     return value
 
 
 def _to_samples(data: Any, n: int) -> list[Sample]:
-    cols = {f: _column(data[f], n) for f in ROLLOUT_FIELDS}
+    return _samples_of({f: _column(data[f], n) for f in ROLLOUT_FIELDS})
+
+
+def _samples_of(cols: dict[str, list]) -> list[Sample]:
+    n = len(cols["sample_id"])
     return [Sample(prompt_ids=cols["prompt_ids"][i], response_ids=cols["response_ids"][i],
                    rollout_logprobs=cols["rollout_logprobs"][i], loss_mask=cols["loss_mask"][i],
-                   reward=float(_scalar(cols["reward"][i])), group_id=int(_scalar(cols["group_id"][i])),
-                   policy_version=int(_scalar(cols["policy_version"][i])),
-                   sample_id=int(_scalar(cols["sample_id"][i])),
+                   reward=float(scalar(cols["reward"][i])), group_id=int(scalar(cols["group_id"][i])),
+                   policy_version=int(scalar(cols["policy_version"][i])),
+                   sample_id=int(scalar(cols["sample_id"][i])),
                    finish_reason=json.loads(cols["finish_reason"][i]), label=json.loads(cols["label"][i]),
                    metadata=json.loads(cols["metadata"][i]))
             for i in range(n)]

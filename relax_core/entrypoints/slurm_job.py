@@ -46,18 +46,18 @@ class Allocation:
     groups: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def from_environ(cls, has_rollout_group: bool) -> Allocation:
+    def from_environ(cls, group_names: list[str]) -> Allocation:
+        """The nodes of each group (`recipe.cluster.groups`, in het-group order) as Slurm allocated them."""
         env = os.environ
-        if has_rollout_group:
-            groups = {"train": hostnames(env["SLURM_JOB_NODELIST_HET_GROUP_0"]),
-                      "rollout": hostnames(env["SLURM_JOB_NODELIST_HET_GROUP_1"])}
+        if len(group_names) > 1:
+            groups = {name: hostnames(env[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"]) for i, name in enumerate(group_names)}
         else:
             groups = {"train": hostnames(env.get("SLURM_JOB_NODELIST_HET_GROUP_0") or env["SLURM_JOB_NODELIST"])}
         return cls(int(env["SLURM_JOB_ID"]), int(env.get("SLURM_RESTART_COUNT", "0")), groups)
 
     def nodes(self) -> list[tuple[str, str, int]]:
-        """(name, group, index) of every node; index = position in the job (0 = the head)."""
-        ordered = [(name, group) for group in ("train", "rollout") for name in self.groups.get(group, [])]
+        """(name, group, index) of every node, in het-group order; index = position in the job (0 = the head)."""
+        ordered = [(name, group) for group, names in self.groups.items() for name in names]
         return [(name, group, i) for i, (name, group) in enumerate(ordered)]
 
 
@@ -91,7 +91,7 @@ class JobSteps:
         from relax_core.launch.container import container_prefix
 
         cluster = self.recipe.cluster
-        het = [f"--het-group={1 if group == 'rollout' else 0}"] if cluster.rollout.nodes else []
+        het = [f"--het-group={cluster.groups.index(group)}"] if len(cluster.groups) > 1 else []
         prefix = container_prefix(cluster.container, run_dir=self.run.path,
                                   gpus=getattr(cluster, group).gpus_per_node > 0)
         python = "python3" if cluster.container.image else sys.executable
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relax: {exc}", file=sys.stderr, flush=True)
         return 2
     recipe = load_recipe(run.recipe)
-    alloc = Allocation.from_environ(bool(recipe.cluster.rollout.nodes))
+    alloc = Allocation.from_environ(recipe.cluster.groups)
     start_step = run.read_state().get("checkpoint_step", 0)
     head_lease = lease_ports(alloc.job_id, 0)  # this step runs on the head's machine, and holds it until it ends
     head = head_address(recipe, head_lease.ports)

@@ -58,7 +58,7 @@ class LocalExecutor(Executor):
 
     def problems(self, recipe) -> list[str]:
         return [f"cluster.{group}.nodes: the local executor runs each node group on this one machine; "
-                "use 1 node (or Slurm)" for group in ("train", "rollout") if getattr(recipe.cluster, group).nodes > 1]
+                "use 1 node (or Slurm)" for group in recipe.cluster.groups if getattr(recipe.cluster, group).nodes > 1]
 
     def launch(self, sub: Submission, console) -> Launched:
         if run_local(sub, console) == "stopped":  # USR1 or TERM: the last completed step is checkpointed

@@ -123,10 +123,10 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     if recipe.train.backend == "megatron":
         problems.append(f"train.backend: megatron (with {', '.join(_MEGATRON_FIELDS)}) {_NOT_YET}; "
                         "use train.backend=torch")
-    for group in ("train", "rollout"):
+    for group in ("train", "rollout", "reference"):
         if getattr(recipe.cluster, group).gpus_per_node:
-            problems.append(f"cluster.{group}.gpus_per_node: running on GPUs {_NOT_YET} (the torch trainer "
-                            "and the cpu engine run on CPU); set it to 0")
+            problems.append(f"cluster.{group}.gpus_per_node: running on GPUs {_NOT_YET} (the torch trainer, "
+                            "the cpu engine and the reference model run on CPU); set it to 0")
     return problems
 
 

@@ -33,6 +33,7 @@ SAFE_TO_CHANGE = {
     "cluster.network": "which interface the job's processes talk over",
     "cluster.train.mem": "a memory request",
     "cluster.rollout.mem": "a memory request",
+    "cluster.reference.mem": "a memory request",
     "reward.num_workers": "how many processes score samples, not the scores",
     "reward.max_error_frac": "when failing rewards stop the run, not what they score (raise it to resume such a run)",
     "reward.error_window": "the window of that stop rule",

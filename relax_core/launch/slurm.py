@@ -1,7 +1,10 @@
 """The Slurm executor: render the heterogeneous job script, check it, submit it, query it.
 
-    het group 0: training nodes  (node 0 runs the batch step: Ray head + driver)
-    het group 1: rollout nodes   (only when cluster.rollout.nodes > 0)
+    het group 0: training nodes   (node 0 runs the batch step: Ray head + driver)
+    het group 1: rollout nodes    (only when cluster.rollout.nodes > 0)
+    het group 2: reference nodes  (only when cluster.reference.nodes > 0; fully_async, so after rollout)
+
+Het group i is `recipe.cluster.groups[i]`, here and in the batch step.
 
 Every value that reaches the script is computed and quoted here; the
 template (`templates/job.sbatch.j2`) only lays the lines out. What runs on
@@ -66,10 +69,15 @@ def job_options(recipe: Recipe, run: RunDir) -> list[str]:
     ]
 
 
+# What the script's comment calls each group's nodes.
+ROLES = {"train": "training", "rollout": "rollout", "reference": "reference"}
+
+
 def components(recipe: Recipe, run: RunDir) -> list[Component]:
-    groups = [Component("training", job_options(recipe, run) + component_options(recipe, recipe.cluster.train))]
-    if recipe.cluster.rollout.nodes:
-        groups.append(Component("rollout", component_options(recipe, recipe.cluster.rollout)))
+    """One het component per node group, in het-group order; the job-wide options go on the first."""
+    groups = [Component(ROLES[group], component_options(recipe, getattr(recipe.cluster, group)))
+              for group in recipe.cluster.groups]
+    groups[0].options[:0] = job_options(recipe, run)
     return groups
 
 
@@ -117,11 +125,13 @@ def explain_sbatch_error(stderr: str, script: Path) -> str:
     hints = [
         ("invalid partition", "cluster.slurm.partition: Slurm has no such partition (sinfo -s lists them)"),
         ("node configuration is not available",
-         "cluster.train / cluster.rollout: more nodes, GPUs, CPUs or memory than the partition has"),
+         "cluster.train / cluster.rollout / cluster.reference: more nodes, GPUs, CPUs or memory than the "
+         "partition has"),
         ("node count specification invalid",
-         "cluster.train.nodes / cluster.rollout.nodes: more nodes than the partition has"),
+         "cluster.train.nodes / cluster.rollout.nodes / cluster.reference.nodes: more nodes than the partition has"),
         ("invalid generic resource",
-         "cluster.train.gpus_per_node / cluster.rollout.gpus_per_node: the partition has no GPUs (gres)"),
+         "cluster.train.gpus_per_node / cluster.rollout.gpus_per_node / cluster.reference.gpus_per_node: "
+         "the partition has no GPUs (gres)"),
         ("invalid account", "cluster.slurm.account: Slurm does not know this account"),
         ("invalid qos", "cluster.slurm.qos: Slurm does not know this QOS"),
         ("time limit", "cluster.slurm.time: longer than the partition allows"),

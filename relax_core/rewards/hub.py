@@ -1,7 +1,8 @@
 """The reward hub: scores a whole step's responses concurrently; one failure costs one sample.
 
     RolloutManager --(response, label, metadata, reward) x N--> RewardHub.score
-        route:  the item's `reward` (the row's `data.reward_key` column) or the recipe's reward.name
+        route:  the item's `reward` (the row's `data.reward_key` column) or the recipe's reward.name;
+                `genrm` with a `judge`: the judge engines Relax started (genrm.py, judge_service.py)
         call:   async reward  -> awaited on the event loop, with the time limit
                 cheap reward  -> in-process (registered with in_process=True)
                 other sync    -> WorkerPool (pool.py): a worker process, killed past the limit
@@ -30,6 +31,7 @@ from typing import Any
 from relax_core.errors import UserError
 from relax_core.rewards import registry
 from relax_core.rewards.failures import FailureWindow, describe_error
+from relax_core.rewards.genrm import Judge, JudgeEndpoints, as_reward
 from relax_core.rewards.pool import Outcome, WorkerPool, default_workers
 
 log = logging.getLogger(__name__)
@@ -83,12 +85,14 @@ class RewardHub:
             failures among the last `error_window` samples raise
             `RewardFailureError` (failures.py); 1.0 (the default here, for
             `relax reward score`) never does.
+        judge: the `genrm` reward of this hub (a `genrm.Judge` on the engines of
+            `reward.genrm`); None: the registered `genrm` (a judge at $RELAX_GENRM_URL).
     """
 
     def __init__(self, name: str = "exact_match", *, key: str | None = None,
                  plugin_dirs: list[str] | tuple[str, ...] = (), timeout_s: float = 10.0,
                  num_workers: int | None = None, in_process: bool = False,
-                 max_error_frac: float = 1.0, error_window: int = 256):
+                 max_error_frac: float = 1.0, error_window: int = 256, judge: Judge | None = None):
         self.default, self.key, self.timeout_s = name, key, timeout_s
         self.plugin_dirs = [str(d) for d in plugin_dirs]
         self.num_workers, self.in_process = num_workers or default_workers(), in_process
@@ -99,15 +103,25 @@ class RewardHub:
         self.total_errors = self.total_timeouts = 0
         self.failures = FailureWindow(max_error_frac, error_window)
         names = registry.list_rewards(self.plugin_dirs)
+        if judge is not None:  # this hub's own `genrm`, whatever the registry holds
+            self._specs["genrm"] = registry.RewardSpec("genrm", as_reward(judge), source="reward.genrm")
         if name not in names:
             raise UserError(f"reward.name: no reward called '{name}' (available: {', '.join(names)})")
 
     @classmethod
-    def from_config(cls, config, num_workers: int | None = None) -> RewardHub:
-        """A hub for a recipe's `reward` section (`RewardConfig`)."""
+    def from_config(cls, config, num_workers: int | None = None, judge: JudgeEndpoints | None = None) -> RewardHub:
+        """A hub for a recipe's `reward` section (`RewardConfig`).
+
+        `judge`: where the judge engines of `reward.genrm` serve (`JudgeService.endpoints()`);
+        required exactly when the section is set.
+        """
+        if (config.genrm is None) != (judge is None):
+            given = "reward.genrm set, no judge endpoints" if judge is None else "judge endpoints, no reward.genrm"
+            raise ValueError(f"RewardHub.from_config: reward.genrm and the judge endpoints go together ({given})")
         workers = num_workers or getattr(config, "num_workers", None)
         return cls(config.name, key=config.key, plugin_dirs=config.plugin_dirs, timeout_s=config.timeout_s,
-                   num_workers=workers, max_error_frac=config.max_error_frac, error_window=config.error_window)
+                   num_workers=workers, max_error_frac=config.max_error_frac, error_window=config.error_window,
+                   judge=Judge.serving(judge, config.genrm) if judge is not None else None)
 
     @classmethod
     def from_function(cls, fn: Callable, name: str | None = None, **kwargs) -> RewardHub:

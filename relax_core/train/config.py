@@ -47,6 +47,9 @@ class TorchTrainerConfig:
         use_kl_loss: add `kl_coef * agg(kl)` against a frozen reference model.
         use_reference: build the reference model even without the KL loss
             (KL in the reward).
+        reference_service: the reference log-probs come from the reference
+            service (fully_async) with each step's samples; no reference model
+            is loaded here.
         teacher_path: HF model directory of the distillation teacher (opd);
             its log-probs of the response tokens feed the estimator.
         teacher_dtype: the teacher's parameter dtype.
@@ -89,6 +92,7 @@ class TorchTrainerConfig:
     norm_len: int | None = None
     use_kl_loss: bool = False
     use_reference: bool = False
+    reference_service: bool = False
     teacher_path: str | None = None
     teacher_dtype: str = "float32"
     critic_lr: float | None = None

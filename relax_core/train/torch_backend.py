@@ -153,7 +153,8 @@ class TorchTrainer:
         self.group = process_group
         self.model = load_causal_lm(model_path, cfg.dtype, cfg.device, cfg.trust_remote_code)
         self.ref_model = None
-        if cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward:
+        # With a reference service (fully_async) the reference log-probs come with the samples instead.
+        if (cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward) and not cfg.reference_service:
             self.ref_model = load_causal_lm(
                 ref_model_path or model_path, cfg.dtype, cfg.device, cfg.trust_remote_code
             )
@@ -236,7 +237,8 @@ class TorchTrainer:
 
     # ------------------------------------------------------------ train step
     def train_step(
-        self, samples: Sequence[Sample], advantages: Sequence[float] | None = None
+        self, samples: Sequence[Sample], advantages: Sequence[float] | None = None,
+        ref_logprobs: Sequence[Sequence[float]] | None = None,
     ) -> dict[str, float]:
         """One training step on this rank's shard of the step's samples.
 
@@ -244,6 +246,9 @@ class TorchTrainer:
         shard). Advantages come from the configured estimator over the rewards
         of all ranks' samples (groups may span ranks), unless `advantages`
         (one per local sample, e.g. from an advantage worker) is given.
+        `ref_logprobs` (one list per local sample, per response token, from
+        the reference service) replace the trainer's own reference forward;
+        required when the config says `reference_service`.
 
         Returns:
             Metrics, equal on all ranks: loss, pg_loss, kl_loss, kl, clipfrac,
@@ -254,7 +259,9 @@ class TorchTrainer:
             the step; losses and grad_norm are means over its optimizer steps.
         """
         cfg = self.config
-        minis, step_info = self._minis(samples, advantages)
+        if cfg.reference_service and ref_logprobs is None and (cfg.use_kl_loss or self._kl_in_reward):
+            raise ValueError("the reference log-probs come from the reference service: pass ref_logprobs")
+        minis, step_info = self._minis(samples, advantages, ref_logprobs)
         lr = self.scheduler.get_last_lr()[0]
         totals = _Totals()
         train_policy = self.critic is None or self.step >= cfg.critic_warmup_steps
@@ -269,7 +276,8 @@ class TorchTrainer:
         self.step += 1
         return self._metrics(totals, lr, step_info)
 
-    def _minis(self, samples: Sequence[Sample], advantages: Sequence[float] | None) -> tuple[list[_Mini], dict]:
+    def _minis(self, samples: Sequence[Sample], advantages: Sequence[float] | None,
+               ref_logprobs: Sequence[Sequence[float]] | None = None) -> tuple[list[_Mini], dict]:
         """This rank's shard cut into `num_mini_batches` mini-batches, all prepared before any update.
 
         logp_old, logp_ref and the critic's values of every mini-batch are
@@ -279,7 +287,8 @@ class TorchTrainer:
         """
         bounds = shard_bounds(len(samples), self.config.num_mini_batches)
         parts = [samples[a:b] for a, b in zip(bounds, bounds[1:])]
-        micro_lists = [self._prepare(part) for part in parts]
+        refs = [ref_logprobs[a:b] if ref_logprobs is not None else None for a, b in zip(bounds, bounds[1:])]
+        micro_lists = [self._prepare(part, ref) for part, ref in zip(parts, refs)]
         step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
         minis = [self._normalisers(ms, part) for ms, part in zip(micro_lists, parts)]
         return [mini for mini in minis if mini.seqs > 0], step_info
@@ -357,15 +366,21 @@ class TorchTrainer:
         return self.config.num_mini_batches == 1 and self.config.num_epochs == 1
 
     @torch.no_grad()
-    def _prepare(self, samples: Sequence[Sample]) -> list[_Micro]:
-        """Pack one mini-batch and compute logp_old (when needed) and logp_ref per micro-batch."""
+    def _prepare(self, samples: Sequence[Sample], ref_rows: Sequence[Sequence[float]] | None = None) -> list[_Micro]:
+        """Pack one mini-batch and compute logp_old (when needed) and logp_ref per micro-batch
+        (`ref_rows`: the reference service's log-probs of these samples, instead of a forward here)."""
         cfg = self.config
         micros = []
-        for part in chunks(samples, cfg.micro_batch_size) if samples else []:
+        size = cfg.micro_batch_size
+        for index, part in enumerate(chunks(samples, size) if samples else []):
             mb = self._pack(part)
             need_old = self._needs_logp_old or not self._on_policy
             logp_old = forward_logprobs(self.model, mb)[0] if need_old else None
-            logp_ref = forward_logprobs(self.ref_model, mb)[0] if self.ref_model is not None else None
+            if ref_rows is not None:
+                rows = [list(r) for r in ref_rows[index * size:(index + 1) * size]]
+                logp_ref = pad_rows(rows, mb.loss_mask.shape[1]).to(cfg.device)
+            else:
+                logp_ref = forward_logprobs(self.ref_model, mb)[0] if self.ref_model is not None else None
             logp_teacher = forward_logprobs(self.teacher, mb)[0] if self.teacher is not None else None
             values = self.critic.values(mb) if self.critic is not None else None
             micros.append(_Micro(mb, logp_old, logp_ref, logp_teacher, values))

@@ -1,21 +1,23 @@
 """`fully_async` and `hybrid` on this machine: real Ray, real TransferQueue, real engines and gloo sync.
 
-Each test runs a short job in this process and watches every sample twice:
-where it was generated (`Job.rollout`) and where it was trained on
-(`Job.train`). From those two records alone the test checks the promises of
-the asynchronous modes:
+Each test runs a short job in this process and watches every step twice:
+what the rollout service says it produced (its step record: sample ids) and
+what the trainer ranks say they trained on (ids and policy versions, as each
+rank read them from TransferQueue). From those two records alone the test
+checks the promises of the asynchronous modes:
 
 - no consumed sample is older than `rollout.max_staleness` versions, judged
   on each sample's own recorded policy version;
 - `max_staleness: 0` trains on exactly the versions colocate would (step s
   on version s - 1);
 - every generated sample is trained on exactly once, none lost or
-  duplicated, also when an engine is added and later removed mid-run.
+  duplicated, also when an engine is added and later removed mid-run;
+- the driver never reads a sample's tensors: they go from the rollout
+  service through TransferQueue to the trainer ranks and the services.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -31,9 +33,10 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "loggin
 
 
 class Watched:
-    """A Job whose generated and trained samples are recorded."""
+    """A Job whose produced and trained samples are recorded, step by step."""
 
-    def __init__(self, tmp_path: Path, *overrides: str):
+    def __init__(self, tmp_path: Path, monkeypatch, *overrides: str):
+        from relax_core.controller import streaming
         from relax_core.controller.job import Job
         from relax_core.entrypoints.local_driver import local_cpu_sets
 
@@ -41,24 +44,17 @@ class Watched:
         self.run = new_run_dir(tmp_path, "run").create()
         self.job = Job(self.recipe, self.run, cpu_sets=local_cpu_sets(self.recipe))
         self.generated: list[int] = []
-        self.trained: list[tuple[int, list]] = []  # (step, samples)
-        self.lock = threading.Lock()
+        self.trained: list[tuple[int, list[int], list[int]]] = []  # (step, sample ids, policy versions)
         self.on_train = lambda step: None
-        rollout, train = self.job.rollout, self.job.train
+        check = streaming.check_trained
 
-        def watched_rollout(step, *args):
-            samples = rollout(step, *args)
-            with self.lock:
-                self.generated += [s.sample_id for s in samples]
-            return samples
-
-        def watched_train(samples, advantages=None, version=None):
-            step = len(self.trained) + 1
-            self.trained.append((step, list(samples)))
+        def watched_check(step, record, ids, versions, max_staleness):
+            self.generated += record.sample_ids
+            self.trained.append((step, list(ids), list(versions)))
             self.on_train(step)
-            return train(samples, advantages, version)
+            return check(step, record, ids, versions, max_staleness)
 
-        self.job.rollout, self.job.train = watched_rollout, watched_train
+        monkeypatch.setattr(streaming, "check_trained", watched_check)
 
     def run_loop(self) -> str:
         import importlib
@@ -72,16 +68,16 @@ class Watched:
             self.job.close()
 
     def staleness(self) -> list[int]:
-        return [step - 1 - s.policy_version for step, samples in self.trained for s in samples]
+        return [step - 1 - v for step, _, versions in self.trained for v in versions]
 
     def consumed_ids(self) -> list[int]:
-        return [s.sample_id for _, samples in self.trained for s in samples]
+        return [i for _, ids, _ in self.trained for i in ids]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
-def test_no_consumed_sample_is_older_than_max_staleness(local_ray, tmp_path, mode, one_torch_thread):
-    watched = Watched(tmp_path, f"mode={mode}", "rollout.max_staleness=2", "train.steps=10")
+def test_no_consumed_sample_is_older_than_max_staleness(local_ray, tmp_path, monkeypatch, mode, one_torch_thread):
+    watched = Watched(tmp_path, monkeypatch, f"mode={mode}", "rollout.max_staleness=2", "train.steps=10")
     assert watched.run_loop() == "completed"
     staleness = watched.staleness()
     assert len(staleness) == 10 * 16
@@ -94,16 +90,17 @@ def test_no_consumed_sample_is_older_than_max_staleness(local_ray, tmp_path, mod
 
 
 @pytest.mark.slow
-def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, one_torch_thread):
-    watched = Watched(tmp_path, "mode=fully_async", "rollout.max_staleness=0", "train.steps=6")
+def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_torch_thread):
+    watched = Watched(tmp_path, monkeypatch, "mode=fully_async", "rollout.max_staleness=0", "train.steps=6")
     assert watched.run_loop() == "completed"
-    for step, samples in watched.trained:
-        assert {s.policy_version for s in samples} == {step - 1}, step
+    assert [step for step, _, _ in watched.trained] == list(range(1, 7))
+    for step, _, versions in watched.trained:
+        assert set(versions) == {step - 1}, step
 
 
 @pytest.mark.slow
-def test_engines_added_and_removed_between_steps_lose_nothing(local_ray, tmp_path, one_torch_thread):
-    watched = Watched(tmp_path, "mode=fully_async", "rollout.router=true", "rollout.max_staleness=1",
+def test_engines_added_and_removed_between_steps_lose_nothing(local_ray, tmp_path, monkeypatch, one_torch_thread):
+    watched = Watched(tmp_path, monkeypatch, "mode=fully_async", "rollout.router=true", "rollout.max_staleness=1",
                       "train.steps=9")
     engines = watched.job.engines
     changes, served = {2: +1, 6: -1}, {}
@@ -149,3 +146,36 @@ def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
     assert last - first >= 0.6  # the quick start's goal (test_local_run.py)
     assert all(r["staleness_max"] <= 1 for r in rows)  # the recipe's rollout.max_staleness default
     assert all(k in rows[-1] for k in ("queue_depth", "trainer_idle_s", "rollout_idle_s", "samples_per_s"))
+
+
+@pytest.mark.slow
+def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_the_driver(
+        local_ray, tmp_path, monkeypatch, one_torch_thread):
+    """fully_async with the reference service on (a KL loss): 2 trainer ranks, 2 engines, 10 steps, nothing
+    killed. The driver (this process) may not read a single row: its TransferQueue client refuses to."""
+    from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
+
+    read_here = []
+
+    def refuse(self, *args, **kwargs):
+        read_here.append(args)
+        raise AssertionError("the driver read rows from TransferQueue")
+
+    monkeypatch.setattr(TransferQueueClient, "get_data", refuse)
+    monkeypatch.setattr(AsyncTransferQueueClient, "async_get_data", refuse)
+    watched = Watched(tmp_path, monkeypatch, "mode=fully_async", "train.cpu_ranks_per_node=2",
+                      "rollout.num_engines=2", "rollout.max_staleness=1", "algorithm.kl.coef=0.05",
+                      "train.steps=10")
+    names = [d.name for d in watched.job.services.downstream]
+    assert names == ["reference", "advantages"]
+    assert watched.job.services.fields == ("ref_logprobs", "advantages")
+    assert watched.run_loop() == "completed"
+    assert read_here == []
+    ids = watched.consumed_ids()
+    assert len(ids) == len(set(ids)) == 10 * 16 and Counter(ids) == Counter(watched.generated)
+    staleness = watched.staleness()
+    assert 0 <= min(staleness) and max(staleness) <= 1
+    rows = watched.run.read_metrics()
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert all(r["kl_loss"] > 0 for r in rows[1:])  # the KL term saw the service's reference log-probs
+    assert all(r["num_samples"] == 16 for r in rows)  # both ranks' shards: the step's advantages over all

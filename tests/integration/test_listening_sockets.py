@@ -6,7 +6,8 @@ a machine with a network interface, where Ray would otherwise bind its servers
 to every interface and to that address. While the quick start trains (with a
 router in front of two engines), the test lists the TCP sockets every process
 of the job listens on and fails on any address that is not loopback, the
-wildcards 0.0.0.0 and :: included; and no Ray dashboard process may run.
+wildcards 0.0.0.0 and :: included; and no Ray dashboard process may run, nor
+the autoscaler and log monitors.
 """
 
 from __future__ import annotations
@@ -73,3 +74,14 @@ def test_no_dashboard_process_runs(running_job):
     dashboards = [cmdline(pid) for pid in processes if "ray/dashboard/dashboard.py" in cmdline(pid)]
     assert not dashboards, dashboards
     assert any("ray::DashboardAgent" in cmdline(pid) for pid in processes)  # Ray's processes are in view
+
+
+@pytest.mark.slow
+def test_no_monitor_process_runs(running_job):
+    """A local cluster has a fixed size and its driver reads no worker output: neither the autoscaler's
+    monitor nor the log monitor runs (they cost start-up and shutdown time; ray_compat.without_monitors)."""
+    _, processes, _ = running_job
+    scripts = ("autoscaler/_private/monitor.py", "_private/log_monitor.py")
+    monitors = [cmdline(pid) for pid in processes if any(script in cmdline(pid) for script in scripts)]
+    assert not monitors, monitors
+    assert any("raylet" in cmdline(pid) for pid in processes)  # Ray's processes are in view

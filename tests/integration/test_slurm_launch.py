@@ -1,7 +1,8 @@
 """`relax submit --executor slurm` against a real Slurm cluster (4 node names on this host).
 
 A heterogeneous job brings up Ray across both groups and runs the quick start
-to completion; preemption in the middle of a rollout checkpoints at once,
+to completion; with a third component (`cluster.reference`, het group 2) a
+fully_async run places rollout, reference and trainer on three nodes; preemption in the middle of a rollout checkpoints at once,
 requeues and resumes; a node whose Ray worker cannot start fails the job with
 its name; the Ray cluster refuses
 drivers without the run's token; and what Slurm can refuse is refused before
@@ -65,6 +66,14 @@ def steps_done(run: Path, count: int):
     return len(metrics(run)) >= count
 
 
+def nodes_joined(run: Path) -> bool:
+    """True once the driver saw every node join; fails at once if the job already failed."""
+    state = json.loads((run / "run.json").read_text())
+    assert state.get("state") != "failed", f"the job failed: {state.get('error')}\n{logs_of(run)}"
+    driver_log = run / "logs" / "driver.log"
+    return driver_log.exists() and "nodes joined" in driver_log.read_text()
+
+
 def metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
@@ -90,6 +99,28 @@ def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp
     assert (run / "logs" / "ray-n2.log").is_file()
     token = run / "secrets" / "ray_token"
     assert oct(token.stat().st_mode & 0o777) == "0o600"
+
+
+@pytest.mark.slow
+def test_fully_async_with_a_reference_group_runs_each_service_on_its_own_node(slurm_cluster, tmp_path):
+    """A three-component job: training on n1, rollout on n2, the reference service on n3 (het group 2, which
+    joins Ray with its resource); the run completes with the KL term fed by the reference service."""
+    submit(tmp_path, "runs/ref", "mode=fully_async", "algorithm.kl.coef=0.01", "cluster.reference.nodes=1",
+           "cluster.reference.cpus_per_node=1", "train.steps=6")
+    run = tmp_path / "runs" / "ref"
+    final = wait_for(lambda: status(tmp_path, "runs/ref")["state"] in ("completed", "failed", "died")
+                     and status(tmp_path, "runs/ref"), 300, "the job to finish")
+    assert final["state"] == "completed", logs_of(run)
+    driver_log = (run / "logs" / "driver.log").read_text()
+    assert "all 3 nodes joined" in driver_log and "'relax_reference': 1.0" in driver_log, logs_of(run)
+    assert "services ready: rollout on n2, reference on n3, advantages on n2" in driver_log, driver_log[-3000:]
+    assert json.loads((run / "run.json").read_text())["nodes"] == {"train": ["n1"], "rollout": ["n2"],
+                                                                   "reference": ["n3"]}
+    started = (run / "logs" / "ray-n3.log").read_text()  # the node step prints its `ray start` first
+    assert "(reference, index 2," in started and '{"relax_node_n3": 1, "relax_reference": 1}' in started
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and all(r["kl_loss"] > 0 for r in rows[1:])
+    assert all(r["staleness_max"] <= 1 for r in rows)
 
 
 @pytest.mark.slow

@@ -90,7 +90,7 @@ def samples(vocab: int) -> list[Sample]:
 
 
 def test_fully_async_computes_its_advantages_on_the_rollout_side(toy_algorithm):
-    from relax_core.controller.streaming import advantage_stage
+    from relax_core.services.launch import advantage_stage
 
     stage = advantage_stage(load_recipe(QUICKSTART, ["mode=fully_async", f"algorithm.name={toy_algorithm}"]))
     mean = sum(REWARDS) / len(REWARDS)  # 2.5 / 6

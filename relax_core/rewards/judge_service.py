@@ -1,0 +1,100 @@
+"""The LLM judge as a service of the run: the engines of `reward.genrm`, started and stopped by the job.
+
+    job start-up: JudgeService.start(ray, recipe, run, threads, cpus)     returns at once
+                    -> reward.genrm.num_engines EngineWorker actors, one `relax_judge` slot each (the
+                       engines' node group advertises them beside its engine slots, cluster/node.py),
+                       each serving reward.genrm.model, behind the run's bearer key `judge_api_key`
+                  ... the policy engines and the trainers load their models meanwhile ...
+                  service.endpoints()   waits until every judge engine is healthy
+                    -> JudgeEndpoints(urls, api_key): plain data, for whichever process runs the hub
+                  RewardHub.from_config(recipe.reward, judge=endpoints)   the hub's `genrm` (genrm.py)
+    job close:    service.stop()   each server stopped by its PID (EngineWorker.stop), its actor killed
+
+The judge engines are the rollout's engine (the CPU engine here) without a
+weight group: the judge is frozen. They serve greedy `/generate` calls,
+`rollout.max_concurrency` at a time each. Without a `reward.genrm` section the
+service has no engines and `endpoints()` is None.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from relax_core.cluster.node import JUDGE_RESOURCE
+from relax_core.rewards.genrm import JudgeEndpoints
+
+log = logging.getLogger(__name__)
+JUDGE_KEY = "judge_api_key"
+READY_TIMEOUT_S = 360.0  # an engine's own limit (workers.ENGINE_READY_TIMEOUT_S) plus time to be placed
+
+
+class JudgeService:
+    """The judge engine actors of one run."""
+
+    def __init__(self, ray, api_key: str | None = None):
+        self._ray, self.api_key = ray, api_key
+        self.actors: list = []
+        self._ready: list = []  # refs resolving to each engine's URL once it is healthy
+        self._endpoints: JudgeEndpoints | None = None
+
+    @classmethod
+    def start(cls, ray, recipe, run, threads: int, cpus: list[int] | None = None) -> JudgeService:
+        """Start the judge engines of `recipe.reward.genrm` (none without it); does not wait for them.
+
+        Args:
+            threads: torch threads of each judge engine.
+            cpus: cores to pin them to (the engines' group on the local executor), None: no pinning.
+        """
+        section = recipe.reward.genrm
+        if section is None:
+            return cls(ray)
+        from relax_core.controller.setup import resolve_model_path
+
+        run.write_secret(JUDGE_KEY)
+        service = cls(ray, run.secret(JUDGE_KEY))
+        model = str(resolve_model_path(section.model))
+        try:
+            for index in range(section.num_engines):
+                service._spawn(index, model, str(run.logs / f"judge-{index}.log"), threads, cpus, recipe)
+        except BaseException:
+            service.stop()
+            raise
+        return service
+
+    def _spawn(self, index: int, model: str, log_path: str, threads: int, cpus: list[int] | None, recipe) -> None:
+        from relax_core.controller.workers import EngineWorker
+
+        actor = self._ray.remote(num_cpus=0, resources={JUDGE_RESOURCE: 1})(EngineWorker).remote(
+            index, model, log_path, self.api_key, threads, recipe.train.seed, recipe.rollout.max_concurrency, cpus,
+            recipe.reward.genrm.trust_remote_code)
+        self.actors.append(actor)
+        self._ready.append(actor.wait_ready.remote())
+
+    def endpoints(self, timeout_s: float = READY_TIMEOUT_S) -> JudgeEndpoints | None:
+        """Where the judge engines serve, once every one is healthy (None: the run has none).
+
+        Raises:
+            RuntimeError: an engine failed to start (its log's tail), or was not placed in time.
+        """
+        if not self._ready or self._endpoints is not None:
+            return self._endpoints
+        _, pending = self._ray.wait(self._ready, num_returns=len(self._ready), timeout=timeout_s)
+        if pending:
+            raise RuntimeError(f"{len(pending)} of {len(self._ready)} judge engines (reward.genrm) not healthy "
+                               f"after {timeout_s:.0f} s; free '{JUDGE_RESOURCE}' slots: "
+                               f"{self._ray.available_resources().get(JUDGE_RESOURCE, 0):g}")
+        urls = tuple(self._ray.get(self._ready))
+        log.info("judge engines ready: %s", ", ".join(urls))
+        self._endpoints = JudgeEndpoints(urls, self.api_key)
+        return self._endpoints
+
+    def stop(self) -> None:
+        """Stop every judge engine server by its PID, then end its actor (idempotent)."""
+        actors, self.actors, self._ready = self.actors, [], []
+        refs = [actor.stop.remote() for actor in actors]
+        try:
+            self._ray.get(refs, timeout=30)
+        except Exception as exc:  # shutting down: report and go on
+            log.warning("stopping %d judge engines failed: %s", len(refs), exc)
+        for actor in actors:
+            self._ray.kill(actor)

@@ -1,0 +1,127 @@
+"""Services that add a column to each step's rows: reference log-probs and advantages.
+
+    rollout service: partition s is in TransferQueue  ->  worker.process(s, share)
+        worker: claim up to `share` rows it has not processed, read only its input columns,
+                compute, write its column on the same rows      (returns the number of rows)
+    driver: waits for those calls, then claims the complete rows for the trainer ranks
+
+`ReferenceWorker` holds the frozen reference model (the initial policy) and
+writes `ref_logprobs`, one log-prob per response token, exactly what the
+trainer's own reference forward would give (the same packing and forward,
+train/batching.py). `AdvantageWorker` runs an outcome estimator (one whose
+spec says `outcome_only`: rewards and group ids suffice) over the whole step
+and writes `advantages`, one per row. Several reference workers share a
+partition (each takes its share of rows); the advantage worker takes the
+whole step at once, as group baselines and whitening need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from relax_core.rollout.types import Sample
+
+REFERENCE_COLUMN, ADVANTAGE_COLUMN = "ref_logprobs", "advantages"
+
+
+class _FieldWorker:
+    """Common part: cores, threads, the bus, and `process`."""
+
+    consumer: str
+    inputs: tuple[str, ...]
+    output: str
+
+    def __init__(self, threads: int, cpus: list[int] | None):
+        import torch
+
+        from relax_core.controller.workers import pin_process
+
+        if cpus:
+            pin_process(cpus)
+        torch.set_num_threads(threads)
+        self.bus = None  # TransferQueue, attached on the first step (it starts while the models load)
+        self.rows = 0  # processed so far (tests and logs)
+
+    def node_id(self) -> str:
+        from relax_core.services.placement import node_id
+
+        return node_id()
+
+    def process(self, step: int, max_rows: int | None = None) -> int:
+        if self.bus is None:
+            from relax_core.data.bus import SampleBus
+
+            self.bus = SampleBus.attach()
+        done = self.bus.process(step, self.consumer, self.inputs, self.output, self.compute, max_rows)
+        self.rows += done
+        return done
+
+    def compute(self, columns: dict[str, list]) -> list:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.bus is not None:
+            self.bus.close()
+
+
+class ReferenceWorker(_FieldWorker):
+    """Log-probs of every response token under the frozen reference model."""
+
+    consumer, inputs, output = "reference", ("prompt_ids", "response_ids"), REFERENCE_COLUMN
+
+    def __init__(self, model_dir: str, dtype: str, micro_batch_size: int, threads: int = 1,
+                 cpus: list[int] | None = None, trust_remote_code: bool = False):
+        super().__init__(threads, cpus)
+        from relax_core.train.torch_backend import load_causal_lm
+
+        self.model = load_causal_lm(model_dir, dtype, "cpu", trust_remote_code).requires_grad_(False)
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.micro_batch_size = micro_batch_size
+
+    def compute(self, columns: dict[str, list]) -> list[list[float]]:
+        import torch
+
+        from relax_core.train.batching import chunks, forward_logprobs, pack
+
+        rows = [Sample(prompt_ids=p, response_ids=r, rollout_logprobs=[])
+                for p, r in zip(columns["prompt_ids"], columns["response_ids"])]
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for part in chunks(rows, self.micro_batch_size):
+                mb = pack(part, self.pad_id)
+                out += mb.response_lists(forward_logprobs(self.model, mb)[0])
+        return out
+
+
+class AdvantageWorker(_FieldWorker):
+    """One advantage per row from the step's rewards and group ids (outcome estimators)."""
+
+    consumer, inputs, output = "advantages", ("reward", "group_id"), ADVANTAGE_COLUMN
+
+    def __init__(self, estimator: str, kwargs: dict, cpus: list[int] | None = None):
+        super().__init__(1, cpus)
+        self.advantages = outcome_advantages(estimator, kwargs)
+
+    def compute(self, columns: dict[str, list]) -> list[float]:
+        from relax_core.data.bus import scalar
+
+        return self.advantages([float(scalar(v)) for v in columns["reward"]],
+                               [int(scalar(v)) for v in columns["group_id"]])
+
+
+def outcome_advantages(estimator: str, kwargs: dict) -> Callable[[list[float], list], list[float]]:
+    """`(rewards, group_ids) -> advantages` of an outcome estimator, over the rows given (a whole step)."""
+    import torch
+
+    from relax_core.algorithms.estimators import AdvantageBatch
+    from relax_core.algorithms.registry import get_estimator
+    from relax_core.train.step_advantages import dense_ids
+
+    fn = get_estimator(estimator)
+
+    def advantages(rewards: list[float], group_ids: list) -> list[float]:
+        batch = AdvantageBatch(rewards=torch.tensor(rewards, dtype=torch.float32), group_ids=dense_ids(group_ids),
+                               mask=torch.ones((len(rewards), 1)))
+        return fn(batch, **kwargs).advantages[:, 0].tolist()
+
+    return advantages

@@ -1,0 +1,111 @@
+"""Which services a recipe runs, started with the job's other processes and stopped with them.
+
+    fully_async: rollout service, reference workers (when the algorithm uses a reference model),
+                 advantage service (when its estimator is outcome-only); the trainer reads both columns
+    hybrid:      rollout service only; the trainer ranks compute reference log-probs and advantages
+    colocate:    none
+
+Actors are created at once (their constructors, which load models, run while
+the engines and trainer ranks load theirs); TransferQueue is attached on
+first use.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax_core.services.fields import ADVANTAGE_COLUMN, REFERENCE_COLUMN
+from relax_core.services.rollout import Downstream
+
+log = logging.getLogger(__name__)
+
+
+def reference_service(recipe) -> bool:
+    """The reference log-probs come from the reference workers (fully_async and a reference model)."""
+    return recipe.mode == "fully_async" and recipe.algorithm.uses_reference
+
+
+def advantage_service(recipe) -> bool:
+    """The advantages come from the advantage service (fully_async and an outcome-only estimator)."""
+    return recipe.mode == "fully_async" and recipe.algorithm.spec.outcome_only
+
+
+def advantage_stage(recipe):
+    """What the advantage service computes for `recipe`, as a function of a step's samples; None where the
+    trainer computes the advantages (not fully_async, or an estimator that needs more than the rewards)."""
+    if not advantage_service(recipe):
+        return None
+    from relax_core.services.fields import outcome_advantages
+
+    algo = recipe.algorithm
+    advantages = outcome_advantages(algo.spec.advantage_estimator, algo.estimator_kwargs())
+    return lambda samples: advantages([s.reward for s in samples], [s.group_id for s in samples])
+
+
+@dataclass
+class ServiceSet:
+    rollout: Any
+    downstream: list[Downstream] = field(default_factory=list)
+    fields: tuple[str, ...] = ()  # the columns the services add, which the trainer ranks read
+
+    @classmethod
+    def start(cls, ray, recipe, *, model_dir: str, api_key: str, trainer0, engine0, cpu_sets: dict,
+              train_threads: int) -> ServiceSet:
+        from relax_core.cluster.node import REFERENCE_RESOURCE
+        from relax_core.controller import setup
+        from relax_core.services.fields import AdvantageWorker, ReferenceWorker
+        from relax_core.services.placement import beside, on_group
+        from relax_core.services.rollout import RolloutService
+
+        near_engines = beside(ray, engine0)
+        rollout = ray.remote(max_concurrency=4)(RolloutService).options(**near_engines).remote(
+            recipe, model_dir, api_key, trainer0, cpu_sets.get("rollout"))
+        services = cls(rollout)
+        if reference_service(recipe):
+            own = recipe.cluster.reference
+            if own.nodes:
+                placed, count, cpus = on_group(REFERENCE_RESOURCE), own.nodes, cpu_sets.get("reference")
+                threads = own.cpus_per_node if cpus is None else len(cpus)
+            else:  # where it fits: beside trainer rank 0, sharing its cores
+                placed, count, cpus, threads = beside(ray, trainer0), 1, cpu_sets.get("train"), train_threads
+            worker = ray.remote(ReferenceWorker)
+            for _ in range(count):
+                handle = worker.options(**placed).remote(model_dir, recipe.model.dtype, recipe.train.micro_batch_size,
+                                                         threads, cpus, setup.trust_remote_code(recipe))
+                services.downstream.append(Downstream("reference", handle, 1.0 / count))
+            services.fields += (REFERENCE_COLUMN,)
+        if advantage_service(recipe):
+            algo = recipe.algorithm
+            handle = ray.remote(AdvantageWorker).options(**near_engines).remote(
+                algo.spec.advantage_estimator, algo.estimator_kwargs(), cpu_sets.get("rollout"))
+            services.downstream.append(Downstream("advantages", handle))
+            services.fields += (ADVANTAGE_COLUMN,)
+        return services
+
+    def ready(self, ray) -> str:
+        """Block until every service actor is constructed (models loaded); raises a constructor's error.
+        Returns where each runs, by node name ("rollout on n2, reference on n3, ...")."""
+        nodes = ray.get([self.rollout.node_id.remote(), *(d.handle.node_id.remote() for d in self.downstream)])
+        names = [("rollout", self.rollout), *((d.name, d.handle) for d in self.downstream)]
+        return ", ".join(f"{name} on {node_name(ray, node)}" for (name, _), node in zip(names, nodes))
+
+    def stop(self, ray) -> None:
+        """Stop every service: its thread and clients first, then its process."""
+        handles = [self.rollout, *(d.handle for d in self.downstream)]
+        try:
+            ray.get([h.close.remote() for h in handles], timeout=60)
+        except Exception as exc:  # shutting down: report and go on
+            log.warning("closing the services failed: %s", exc)
+        for handle in handles:
+            ray.kill(handle)
+
+
+def node_name(ray, node_id: str) -> str:
+    """A Ray node's Slurm name (its `relax_node_<name>` resource), or its address on one machine."""
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            names = [key.removeprefix("relax_node_") for key in node["Resources"] if key.startswith("relax_node_")]
+            return names[0] if names else node["NodeManagerAddress"]
+    return node_id[:8]

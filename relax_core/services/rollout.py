@@ -1,0 +1,258 @@
+"""The rollout service: engines' client, rollout manager and reward hub in their own process.
+
+    for step s = first .. last (a thread of the actor):
+        safe point: wait until the trainer has published version >= s - 1 - max_staleness (the staleness
+                    bound); hold while the driver changes the engine set; take the new endpoints
+        engines older than the newest published version?  trainer rank 0 broadcasts it (engines idle)
+        samples = rollout(s)                 every sample carries the one version that generated it
+        TransferQueue partition s <- samples; each downstream service is asked to process its share
+        record s: counts, ids, times, prompt cursor, and the refs of the downstream calls
+    told to halt: the step being generated is aborted by the driver (controller/preemption.py) and dropped
+
+The driver talks to it in metadata only: `publish(version)` after each
+optimizer step, `record(step)` for what a step produced, `pause`/`resume`
+around a change of the engine set. Samples go from here straight into
+TransferQueue; the trainer ranks read them there.
+
+Weights change only between two batches, so no sample mixes two policy
+versions, and the staleness of a sample consumed at step s is exactly
+`(s - 1) - sample.policy_version <= max_staleness`. With max_staleness 0 the
+thread waits for every new version: the samples are those colocate would use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from relax_core.controller.preemption import Preempted
+
+log = logging.getLogger(__name__)
+WAIT_S = 0.1  # how often a waiting thread looks at halt
+
+
+@dataclass
+class StepRecord:
+    """What the rollout service did for one step (metadata only: the samples are in TransferQueue)."""
+
+    step: int
+    count: int
+    sample_ids: list[int]
+    versions: list[int]
+    generate_s: float
+    idle_s: float
+    sync_s: float
+    data_state: dict
+    sample_stats: dict[str, float] = field(default_factory=dict)  # reward, lengths (sample_stats below)
+    reward_stats: dict[str, float] = field(default_factory=dict)
+    downstream: list = field(default_factory=list)  # refs of the services' calls; resolved = columns written
+
+
+@dataclass
+class Downstream:
+    """A service worker asked to process each step after it is put: `handle.process(step, share)`."""
+
+    name: str
+    handle: Any
+    share: float = 1.0  # fraction of the step's rows this worker takes (several workers of one service)
+
+
+class RolloutService:
+    """A Ray actor (threaded: the driver's calls arrive while the production thread runs)."""
+
+    def __init__(self, recipe, model_dir: str, api_key: str, trainer0, cpus: list[int] | None = None):
+        """Loads the tokenizer and the prompts; `start` connects to the engines, the reward's judge
+        engines (`reward.genrm`) and TransferQueue."""
+        import torch
+        from transformers import AutoTokenizer
+
+        from relax_core.config.schema import FileData
+        from relax_core.controller import setup
+        from relax_core.controller.workers import pin_process
+        from relax_core.data.prompts import build_prompt_source
+
+        if cpus:
+            pin_process(cpus)
+        torch.set_num_threads(1)  # tokenizing and packing columns: no intra-op work worth threads
+        self.recipe, self.api_key, self.trainer0 = recipe, api_key, trainer0
+        self.loop = asyncio.new_event_loop()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=setup.trust_remote_code(recipe))
+        self.prompts = build_prompt_source(recipe.data)
+        self.tokenizer = tokenizer
+        self.system = recipe.data.system_prompt if isinstance(recipe.data, FileData) else None
+        self.reward_hub = self.manager = self.bus = None
+        self.engine_version = 0
+        self.downstream: list[Downstream] = []
+        self._version = 0  # newest version the trainer published
+        self._cond = threading.Condition()
+        self._halt = threading.Event()
+        self._hold = False  # the driver asked for a safe point (an engine change)
+        self._at_safe_point = False
+        self._endpoints: list[str] | None = None
+        self._records: dict[int, StepRecord] = {}
+        self._error: BaseException | None = None
+        self._ended = False
+        self._thread: threading.Thread | None = None
+
+    def _clients(self, urls: list[str]) -> list:
+        from relax_core.rollout.client import EngineClient
+
+        return [EngineClient(url, api_key=self.api_key) for url in urls]
+
+    def node_id(self) -> str:
+        from relax_core.services.placement import node_id
+
+        return node_id()
+
+    # ---------------------------------------------------------- driver's calls
+    def start(self, first: int, last: int, endpoints: list[str], data_state: dict, engine_version: int,
+              downstream: list[Downstream], judge=None) -> None:
+        """Produce steps `first`..`last`, from the prompt cursor `data_state`, through `endpoints`, whose
+        engines hold `engine_version` (= the trainer's newest), asking `downstream` to process each step;
+        `judge`: where the judge engines of `reward.genrm` serve."""
+        from relax_core.controller import setup
+        from relax_core.data.bus import SampleBus
+        from relax_core.rewards.hub import RewardHub
+        from relax_core.rollout.manager import RolloutManager
+
+        self.bus = SampleBus.attach()
+        self.prompts.load_state_dict(data_state)
+        self.reward_hub = RewardHub.from_config(self.recipe.reward, judge=judge)
+        self.manager = RolloutManager(self._clients(endpoints), self.tokenizer, setup.sampling_config(self.recipe),
+                                      self.reward_hub, self.system)
+        self.engine_version = self._version = engine_version
+        self.downstream = downstream
+        self._thread = threading.Thread(target=self._run, args=(first, last), name="relax-rollout", daemon=True)
+        self._thread.start()
+
+    def publish(self, version: int) -> None:
+        with self._cond:
+            self._version = max(self._version, version)
+            self._cond.notify_all()
+
+    def record(self, step: int, timeout_s: float) -> StepRecord | None:
+        """`step`'s record once its samples are in TransferQueue; None if not within `timeout_s`.
+        Raises what the production thread died of, or `Preempted` when it ended without `step`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while step not in self._records:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout failed: {self._error!r}") from self._error
+                if self._ended:
+                    raise Preempted(f"the rollout ended before step {step}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(min(left, WAIT_S))
+            return self._records.pop(step)
+
+    def pause(self, timeout_s: float = 600) -> bool:
+        """Hold the production thread at its next safe point (between two batches); True once held."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._hold = True
+            self._cond.notify_all()
+            while not (self._at_safe_point or self._ended) and time.monotonic() < deadline:
+                self._cond.wait(WAIT_S)
+            return self._at_safe_point
+
+    def resume(self, endpoints: list[str] | None = None) -> None:
+        """Let the thread go on, sending to `endpoints` from its next batch on (when given)."""
+        with self._cond:
+            if endpoints is not None:
+                self._endpoints = list(endpoints)
+            self._hold = False
+            self._cond.notify_all()
+
+    def halt(self) -> None:
+        self._halt.set()
+        self.resume()
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+
+    def close(self) -> None:
+        self.halt()
+        if self.manager is not None:
+            self.manager.close(self.loop)
+        if self.reward_hub is not None:
+            self.reward_hub.close()
+        if self.bus is not None:
+            self.bus.close()
+        self.loop.close()
+
+    # ------------------------------------------------------ production thread
+    def _run(self, first: int, last: int) -> None:
+        try:
+            for step in range(first, last + 1):
+                if not self._produce(step):
+                    break
+        except Preempted as exc:
+            log.info("rollout ended: %s", exc)
+        except BaseException as exc:  # handed to the driver by `record`
+            log.exception("rollout failed")
+            self._error = exc
+        finally:
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()
+
+    def _produce(self, step: int) -> bool:
+        from relax_core.controller.sampling_rounds import rollout_step
+
+        idle_s = self._safe_point(step - 1 - self.recipe.rollout.max_staleness)
+        if self._halt.is_set():
+            return False
+        sync_s = self._refresh_weights()
+        start = time.perf_counter()
+        samples = rollout_step(step, self.recipe, self.prompts, self.manager, self.loop, self._halt.is_set)
+        generate_s = time.perf_counter() - start
+        self.bus.put(step, samples)
+        calls = [d.handle.process.remote(step, max(1, round(d.share * len(samples)))) for d in self.downstream]
+        record = StepRecord(step, len(samples), [s.sample_id for s in samples], [s.policy_version for s in samples],
+                            generate_s, idle_s, sync_s, self.prompts.state_dict(), sample_stats(samples),
+                            dict(self.manager.last_reward_stats), calls)
+        with self._cond:
+            self._records[step] = record
+            self._cond.notify_all()
+        return True
+
+    def _safe_point(self, needed_version: int) -> float:
+        """Between two batches: wait for the staleness bound and any hold; returns the seconds waited."""
+        start = time.perf_counter()
+        with self._cond:
+            self._at_safe_point = True
+            self._cond.notify_all()
+            while (self._version < needed_version or self._hold) and not self._halt.is_set():
+                self._cond.wait(WAIT_S)
+            self._at_safe_point = False
+            endpoints, self._endpoints = self._endpoints, None
+        if endpoints is not None:
+            self.loop.run_until_complete(self.manager.set_clients(self._clients(endpoints)))
+        return time.perf_counter() - start
+
+    def _refresh_weights(self) -> float:
+        """Bring the engines to the newest published version (they are idle now)."""
+        import ray
+
+        if self._version <= self.engine_version:
+            return 0.0
+        start = time.perf_counter()
+        stats = ray.get(self.trainer0.sync_weights.remote(None))
+        self.engine_version = int(stats.get("sync_version", self._version))
+        return time.perf_counter() - start
+
+
+def sample_stats(samples: list) -> dict[str, float]:
+    """What the driver logs about a step's samples without holding them."""
+    from statistics import fmean
+
+    if not samples:
+        return {"reward_mean": 0.0, "response_len_mean": 0.0, "truncated_frac": 0.0, "response_tokens": 0.0}
+    lengths = [s.response_len for s in samples]
+    return {"reward_mean": fmean(s.reward for s in samples), "response_len_mean": fmean(lengths),
+            "truncated_frac": fmean(s.finish_reason == "length" for s in samples),
+            "response_tokens": float(sum(lengths))}

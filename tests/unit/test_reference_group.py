@@ -1,0 +1,144 @@
+"""`cluster.reference`: a node group of its own for the reference service of `fully_async`.
+
+What the group changes before anything runs: the recipes that may have one,
+the Ray resource its nodes advertise (`relax_reference`, which the reference
+service places its workers with), its cores on one machine, and its het
+component (het group 2) in the Slurm job with the srun of its node's Ray
+worker. The real-Slurm test that its node joins Ray is in
+tests/integration/test_slurm_launch.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_job_script import GOLDEN, RUN, sbatch_components
+
+from relax_core.cluster.node import REFERENCE_RESOURCE, node_resource, node_resources, ray_start_command
+from relax_core.cluster.ports import block_ports
+from relax_core.config import load_recipe
+from relax_core.entrypoints.local_driver import local_cpu_sets, local_slots
+from relax_core.entrypoints.slurm_job import Allocation, JobSteps
+from relax_core.errors import RecipeError
+from relax_core.launch.executors import executor_named
+from relax_core.launch.preflight import preflight
+from relax_core.launch.slurm import render_job_script
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+# fully_async with a KL term: the one recipe shape a reference group serves
+WITH_REFERENCE = ["mode=fully_async", "algorithm.kl.coef=0.01", "cluster.reference.nodes=1",
+                  "cluster.reference.cpus_per_node=1"]
+
+
+def reference_recipe(*overrides: str):
+    return load_recipe(QUICKSTART, [*WITH_REFERENCE, *overrides])
+
+
+# ------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("mode", ["colocate", "hybrid"])
+def test_a_reference_group_outside_fully_async_is_refused(mode):
+    with pytest.raises(RecipeError, match=f"cluster.reference.nodes: mode {mode} computes the reference log-probs "
+                                          "inside the trainer's processes, so a reference node group "
+                                          r"needs mode=fully_async \(or set cluster.reference.nodes=0\)"):
+        reference_recipe(f"mode={mode}")
+
+
+def test_a_reference_group_without_a_reference_model_is_refused():
+    with pytest.raises(RecipeError, match="cluster.reference.nodes: algorithm grpo with algorithm.kl.coef=0 uses "
+                                          "no reference model, so a reference node group has "
+                                          r"nothing to run \(set algorithm.kl.coef above 0"):
+        reference_recipe("algorithm.kl.coef=0")
+    assert reference_recipe().cluster.groups == ["train", "rollout", "reference"]  # with the KL term it is accepted
+
+
+def test_the_refusal_exits_2_naming_the_field(tmp_path):
+    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}
+    proc = subprocess.run([sys.executable, "-m", "relax_cli.main", "submit", str(QUICKSTART), "--dry-run",
+                           "--executor", "local", "cluster.reference.nodes=1"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cluster.reference.nodes" in proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_reference_group_by_default():
+    recipe = load_recipe(QUICKSTART, ["mode=fully_async", "algorithm.kl.coef=0.01"])
+    assert recipe.cluster.reference.nodes == 0 and recipe.cluster.groups == ["train", "rollout"]
+    assert REFERENCE_RESOURCE not in local_slots(recipe)
+    assert len(sbatch_components(render_job_script(recipe, RUN, python="python3"))) == 2
+
+
+def test_the_local_executor_runs_a_reference_group_of_one_node_only():
+    preflight(reference_recipe(), QUICKSTART, executor_named("local"))  # raises if refused
+    with pytest.raises(RecipeError, match="cluster.reference.nodes: the local executor runs each node group"):
+        preflight(reference_recipe("cluster.reference.nodes=2"), QUICKSTART, executor_named("local"))
+
+
+# ----------------------------------------------------------------- resources
+def test_only_the_reference_nodes_advertise_the_reference_resource():
+    recipe = reference_recipe()
+    assert REFERENCE_RESOURCE == "relax_reference"
+    assert node_resources(recipe, "reference", "n3") == {node_resource("n3"): 1, REFERENCE_RESOURCE: 1}
+    assert REFERENCE_RESOURCE not in node_resources(recipe, "train", "n1")
+    assert REFERENCE_RESOURCE not in node_resources(recipe, "rollout", "n2")
+    # the engines stay on the rollout group, the trainer ranks on the training group
+    assert set(node_resources(recipe, "train", "n1")) == {node_resource("n1"), "relax_train"}
+    assert set(node_resources(recipe, "rollout", "n2")) == {node_resource("n2"), "relax_rollout"}
+
+
+def test_the_reference_nodes_ray_start_carries_its_resource_and_cores():
+    recipe = reference_recipe("cluster.reference.cpus_per_node=2")
+    command = ray_start_command(recipe, RUN, group="reference", index=2, name="n3", address="10.0.0.3", job_id=7,
+                                head_address="10.0.0.1:6380", ports=block_ports(3))
+    flags = dict(arg.split("=", 1) for arg in command if arg.startswith("--") and "=" in arg)
+    assert json.loads(flags["--resources"]) == {node_resource("n3"): 1, REFERENCE_RESOURCE: 1}
+    assert flags["--num-cpus"] == "2" and flags["--num-gpus"] == "0" and flags["--address"] == "10.0.0.1:6380"
+
+
+def test_the_local_ray_node_has_one_reference_slot():
+    assert local_slots(reference_recipe()) == {"relax_train": 1, "relax_rollout": 1, REFERENCE_RESOURCE: 1}
+
+
+@pytest.mark.parametrize("cores, expected", [
+    (5, {"train": [0], "rollout": [1], "reference": [2, 3]}),  # train 1 + rollout 1 + reference 2 fit
+    (3, {"train": [0], "rollout": [1]}),                       # the reference's 2 do not: it is left unpinned
+    (1, {}),                                                   # train and rollout do not fit either
+])
+def test_the_reference_group_gets_its_own_cores_after_train_and_rollout(monkeypatch, cores, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))  # a machine of that many cores
+    assert local_cpu_sets(reference_recipe("cluster.reference.cpus_per_node=2")) == expected
+
+
+# --------------------------------------------------------------------- slurm
+def test_the_job_script_has_the_reference_group_as_het_group_2():
+    text = render_job_script(reference_recipe("cluster.reference.cpus_per_node=2", "cluster.reference.mem=8G"),
+                             RUN, python="python3")
+    golden = GOLDEN / "quickstart_reference.sbatch"
+    if os.environ.get("RELAX_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text()
+    train, rollout, reference = sbatch_components(text)
+    assert "# het group 2: reference nodes" in text
+    assert reference == ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=2", "--mem=8G", "--time=04:00:00"]
+    assert "--requeue" in train and "--requeue" not in rollout + reference  # job-wide options: first component
+
+
+def test_the_batch_step_starts_the_reference_nodes_ray_worker_in_het_group_2():
+    steps = JobSteps(reference_recipe(), RUN, Allocation(7, 0, {"train": ["n1"], "rollout": ["n2"],
+                                                                "reference": ["n3"]}))
+    assert steps.alloc.nodes() == [("n1", "train", 0), ("n2", "rollout", 1), ("n3", "reference", 2)]
+    started = []
+    steps.srun = lambda group, node, job_name, argv, log_path: started.append(
+        (steps.step_command(group, node, job_name, argv), argv))
+    steps.start_nodes("10.0.0.1:6380", 3)
+    command, argv = started[2]
+    assert command[:6] == ["srun", "--het-group=2", "--nodes=1", "--ntasks=1", "--nodelist=n3", "--overlap"]
+    assert argv[:3] == ["relax_core.cluster.node", str(RUN.path), "--group"] and argv[3:6] == [
+        "reference", "--index", "2"]
+    assert [c[:2] for c, _ in started[:2]] == [["srun", "--het-group=0"], ["srun", "--het-group=1"]]
