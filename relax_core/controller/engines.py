@@ -153,11 +153,6 @@ class EngineSet:
         that failed half-way), then end their actors."""
         if self.router is not None:
             self.router.stop()
-        actors = list({id(a): a for a in [*self.actors.values(), *self._launched]}.values())
-        refs = [a.stop.remote() for a in actors]
-        try:
-            self._ray.get(refs, timeout=30)
-        except Exception as exc:  # shutting down: report and go on
-            log.warning("stopping %d engines failed: %s", len(refs), exc)
-        for actor in actors:
-            self._ray.kill(actor)
+        from relax_core.controller.workers import end_actors
+
+        end_actors(self._ray, list({id(a): a for a in [*self.actors.values(), *self._launched]}.values()), "engines")

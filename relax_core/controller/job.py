@@ -20,7 +20,7 @@ from typing import Any
 from relax_core.cluster.node import TRAIN_RESOURCE
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
-from relax_core.controller.workers import TrainerWorker
+from relax_core.controller.workers import TrainerWorker, end_actors
 from relax_core.launch.rundir import RunDir
 from relax_core.rollout.types import Sample
 
@@ -58,6 +58,7 @@ class Job:
         self.engines = None
         self.bus = None  # TransferQueue (asynchronous modes)
         self.services = None  # relax_core.services.launch.ServiceSet (asynchronous modes)
+        self.rows_trained = 0  # asynchronous modes: rows trained on by this driver (for the queue depth)
         try:
             self._start_processes()
             self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.tensorboard else None,
@@ -274,13 +275,7 @@ class Job:
             self.services.stop(self._ray)
         if self.bus is not None:
             self.bus.close()
-        refs = [t.close.remote() for t in self.trainers]
-        try:
-            self._ray.get(refs, timeout=30)
-        except Exception as exc:  # shutting down: report and go on stopping the rest
-            log.warning("closing %d trainers failed: %s", len(refs), exc)
-        for trainer in self.trainers:  # their processes end now, not whenever the handles are collected
-            self._ray.kill(trainer)
+        end_actors(self._ray, self.trainers, "trainers", method="close")
         if self.engines is not None:
             self.engines.stop()
         if getattr(self, "judges", None) is not None:

@@ -111,7 +111,8 @@ class Books:
     def write(self, job: Job) -> None:
         check_trained(self.step, self.record, self.ids, self.versions, job.recipe.rollout.max_staleness)
         job.bus.clear(self.step)
-        depth = job.bus.depth()
+        job.rows_trained += len(self.ids)
+        depth = job._ray.get(job.services.rollout.produced.remote()) - job.rows_trained
         job.log(self.step, stream_metrics(self.record, self.versions, self.step, self.idle_s, self.train_s,
                                           self.step_s, depth) | self.record.reward_stats | self.metrics)
         job.step_done(self.step, self.record.data_state)  # the cursor as of this step, not the rollout's now

@@ -16,6 +16,7 @@ kernel gave them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 from relax_core.cluster.lifetime import die_with_parent
 from relax_core.cluster.ports import listening_socket
 
+log = logging.getLogger(__name__)
 ENGINE_READY_TIMEOUT_S = 300.0
 RENDEZVOUS_TIMEOUT = 600  # seconds the data-parallel ranks wait for each other
 
@@ -40,6 +42,18 @@ def node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def end_actors(ray, actors: list, what: str, method: str = "stop", timeout_s: float = 30) -> None:
+    """Call `method` on every actor (it stops what the actor started), then end their processes now,
+    not whenever the handles are collected. Shutting down: a failure is reported, the rest go on."""
+    refs = [getattr(actor, method).remote() for actor in actors]
+    try:
+        ray.get(refs, timeout=timeout_s)
+    except Exception as exc:
+        log.warning("stopping %d %s failed: %s", len(refs), what, exc)
+    for actor in actors:
+        ray.kill(actor)
 
 
 def pin_process(cpus: list[int]) -> None:

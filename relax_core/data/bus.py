@@ -48,7 +48,7 @@ from relax_core.rollout.types import Sample
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
                   "policy_version", "sample_id", "finish_reason", "label", "metadata")
 TOKEN_COLUMNS = frozenset({"ref_logprobs"})  # services' columns with one value per response token
-TRAINER = "trainer"  # the consumer whose takes `depth` counts
+TRAINER = "trainer"  # the consumer the trainer ranks' rows are claimed for
 SEQ = "relax_seq"  # put order, in each row's custom_meta
 POLL_S = 0.005  # TransferQueue's controller answers "not ready" at once in polling mode; we wait here
 _TQ_ACTOR = ("TransferQueueController", "transfer_queue")  # (name, namespace) of TQ's controller
@@ -156,27 +156,19 @@ class SampleBus:
         self._client.put(data, metadata=meta)
 
     def process(self, step: int, consumer: str, inputs: tuple[str, ...], output: str,
-                fn: Callable[[dict[str, list]], list], max_rows: int | None = None) -> int:
-        """A service's turn: compute `fn(columns)` for rows of partition `step` that `consumer` has not
-        processed yet and write the result as column `output` of the same rows.
+                fn: Callable[[dict[str, list]], list], rows: int, timeout_s: float = 600) -> int:
+        """A service's turn: compute `fn(columns)` for `rows` rows of partition `step` that `consumer` has
+        not processed yet and write the result as column `output` of the same rows.
 
         `fn` gets the `inputs` columns as lists (one value per row) and returns one value per row: a
-        number, or a list of numbers (a per-token column). At most `max_rows` rows are taken (several
-        workers of one service share a partition this way). Returns the number of rows processed;
+        number, or a list of numbers (a per-token column). Several workers of one service share a
+        partition by asking for their own number of rows. Returns the number of rows processed;
         they count as processed once read, so rows whose `fn` raised are not offered again.
         """
         import torch
         from tensordict import TensorDict
 
-        pid = partition_id(step)
-        ready = self._ready(pid, list(inputs), consumer)
-        if ready == 0:
-            return 0
-        size = min(ready, max_rows) if max_rows is not None else ready
-        meta = self._client.get_meta(data_fields=list(inputs), batch_size=size, partition_id=pid,
-                                     mode="fetch", task_name=consumer)
-        if meta.size == 0:
-            return 0
+        meta = self._claim(step, rows, list(inputs), consumer, timeout_s)
         data = self._client.get_data(meta)
         values = fn({name: _column(data[name], meta.size) for name in inputs})
         if len(values) != meta.size:
@@ -189,19 +181,27 @@ class SampleBus:
         return meta.size
 
     def add_field(self, step: int, name: str, consumer: str, fn: Callable[[list[Sample]], list[float]]) -> int:
-        """`process` with whole `Sample`s as the input (every rollout column)."""
-        return self.process(step, consumer, ROLLOUT_FIELDS, name, lambda columns: fn(_samples_of(columns)))
+        """`process` of every row not yet processed, with whole `Sample`s as the input (every rollout column)."""
+        ready = self._ready(partition_id(step), list(ROLLOUT_FIELDS), consumer)
+        if ready == 0:
+            return 0
+        return self.process(step, consumer, ROLLOUT_FIELDS, name, lambda columns: fn(_samples_of(columns)), ready)
 
     def claim(self, step: int, count: int, fields: tuple[str, ...] = (), consumer: str = TRAINER,
               timeout_s: float = 600, stop: threading.Event | None = None):
         """Block until `count` complete rows (rollout columns and `fields`) of partition `step` are there;
         claim them for `consumer` (once each) and return their metadata: a TransferQueue `BatchMeta`
         (row indexes and field names; no tensors), which `fetch` turns into data in any process."""
+        return self._claim(step, count, list(ROLLOUT_FIELDS) + list(fields), consumer, timeout_s, stop)
+
+    def _claim(self, step: int, count: int, needed: list[str], consumer: str, timeout_s: float,
+               stop: threading.Event | None = None):
         if count < 1:
             raise ValueError(f"claim: count must be >= 1, got {count}")
-        pid, needed = partition_id(step), list(ROLLOUT_FIELDS) + list(fields)
+        pid = partition_id(step)
         deadline, pause = time.monotonic() + timeout_s, POLL_S / 5
         while True:
+            # polling mode: all `count` rows, or none yet
             meta = self._client.get_meta(data_fields=needed, batch_size=count, partition_id=pid,
                                          mode="fetch", task_name=consumer)
             if meta.size:
@@ -227,14 +227,6 @@ class SampleBus:
              timeout_s: float = 600) -> tuple[list[Sample], dict[str, list]]:
         """`claim` and `fetch` in one process: `count` complete rows of partition `step`, once per consumer."""
         return self.fetch(self.claim(step, count, fields, consumer, timeout_s), fields)
-
-    def depth(self) -> int:
-        """Rows written and not yet taken by the trainer, over all partitions."""
-        total = 0
-        for pid in self._client.get_partition_list():
-            if pid.startswith("step-"):
-                total += self._ready(pid, list(ROLLOUT_FIELDS), TRAINER)
-        return total
 
     def clear(self, step: int) -> None:
         """Drop partition `step` (after the trainer consumed it)."""

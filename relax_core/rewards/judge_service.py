@@ -90,11 +90,7 @@ class JudgeService:
 
     def stop(self) -> None:
         """Stop every judge engine server by its PID, then end its actor (idempotent)."""
+        from relax_core.controller.workers import end_actors
+
         actors, self.actors, self._ready = self.actors, [], []
-        refs = [actor.stop.remote() for actor in actors]
-        try:
-            self._ray.get(refs, timeout=30)
-        except Exception as exc:  # shutting down: report and go on
-            log.warning("stopping %d judge engines failed: %s", len(refs), exc)
-        for actor in actors:
-            self._ray.kill(actor)
+        end_actors(self._ray, actors, "judge engines")

@@ -1,7 +1,7 @@
 """Services that add a column to each step's rows: reference log-probs and advantages.
 
-    rollout service: partition s is in TransferQueue  ->  worker.process(s, share)
-        worker: claim up to `share` rows it has not processed, read only its input columns,
+    rollout service: partition s is in TransferQueue  ->  worker.process(s, rows)
+        worker: claim `rows` rows it has not processed, read only its input columns,
                 compute, write its column on the same rows      (returns the number of rows)
     driver: waits for those calls, then claims the complete rows for the trainer ranks
 
@@ -47,12 +47,13 @@ class _FieldWorker:
 
         return node_id()
 
-    def process(self, step: int, max_rows: int | None = None) -> int:
+    def process(self, step: int, rows: int) -> int:
+        """Add this service's column to `rows` rows of step `step` (all there: the rollout put them)."""
         if self.bus is None:
             from relax_core.data.bus import SampleBus
 
             self.bus = SampleBus.attach()
-        done = self.bus.process(step, self.consumer, self.inputs, self.output, self.compute, max_rows)
+        done = self.bus.process(step, self.consumer, self.inputs, self.output, self.compute, rows)
         self.rows += done
         return done
 

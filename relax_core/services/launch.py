@@ -12,14 +12,11 @@ first use.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from relax_core.services.fields import ADVANTAGE_COLUMN, REFERENCE_COLUMN
 from relax_core.services.rollout import Downstream
-
-log = logging.getLogger(__name__)
 
 
 def reference_service(recipe) -> bool:
@@ -74,7 +71,7 @@ class ServiceSet:
             for _ in range(count):
                 handle = worker.options(**placed).remote(model_dir, recipe.model.dtype, recipe.train.micro_batch_size,
                                                          threads, cpus, setup.trust_remote_code(recipe))
-                services.downstream.append(Downstream("reference", handle, 1.0 / count))
+                services.downstream.append(Downstream("reference", handle))
             services.fields += (REFERENCE_COLUMN,)
         if advantage_service(recipe):
             algo = recipe.algorithm
@@ -93,13 +90,9 @@ class ServiceSet:
 
     def stop(self, ray) -> None:
         """Stop every service: its thread and clients first, then its process."""
-        handles = [self.rollout, *(d.handle for d in self.downstream)]
-        try:
-            ray.get([h.close.remote() for h in handles], timeout=60)
-        except Exception as exc:  # shutting down: report and go on
-            log.warning("closing the services failed: %s", exc)
-        for handle in handles:
-            ray.kill(handle)
+        from relax_core.controller.workers import end_actors
+
+        end_actors(ray, [self.rollout, *(d.handle for d in self.downstream)], "services", method="close", timeout_s=60)
 
 
 def node_name(ray, node_id: str) -> str:

@@ -54,11 +54,11 @@ class StepRecord:
 
 @dataclass
 class Downstream:
-    """A service worker asked to process each step after it is put: `handle.process(step, share)`."""
+    """A service worker asked to process each step after it is put: `handle.process(step, rows)`; the
+    workers of one service (same name) share each step's rows."""
 
     name: str
     handle: Any
-    share: float = 1.0  # fraction of the step's rows this worker takes (several workers of one service)
 
 
 class RolloutService:
@@ -87,6 +87,7 @@ class RolloutService:
         self.reward_hub = self.manager = self.bus = None
         self.engine_version = 0
         self.downstream: list[Downstream] = []
+        self.rows_put = 0
         self._version = 0  # newest version the trainer published
         self._cond = threading.Condition()
         self._halt = threading.Event()
@@ -211,7 +212,7 @@ class RolloutService:
         samples = rollout_step(step, self.recipe, self.prompts, self.manager, self.loop, self._halt.is_set)
         generate_s = time.perf_counter() - start
         self.bus.put(step, samples)
-        calls = [d.handle.process.remote(step, max(1, round(d.share * len(samples)))) for d in self.downstream]
+        calls = self._ask_downstream(step, len(samples))
         record = StepRecord(step, len(samples), [s.sample_id for s in samples], [s.policy_version for s in samples],
                             generate_s, idle_s, sync_s, self.prompts.state_dict(), sample_stats(samples),
                             dict(self.manager.last_reward_stats), calls)
@@ -219,6 +220,22 @@ class RolloutService:
             self._records[step] = record
             self._cond.notify_all()
         return True
+
+    def _ask_downstream(self, step: int, count: int) -> list:
+        """Each service's workers process the step's rows, each its own contiguous share."""
+        from relax_core.train.batching import shard_bounds
+
+        calls = []
+        for name in dict.fromkeys(d.name for d in self.downstream):
+            workers = [d for d in self.downstream if d.name == name]
+            bounds = shard_bounds(count, len(workers))
+            calls += [w.handle.process.remote(step, b - a) for w, a, b in zip(workers, bounds, bounds[1:]) if b > a]
+        self.rows_put += count
+        return calls
+
+    def produced(self) -> int:
+        """Rows put into TransferQueue so far (the driver's queue depth: these minus those trained)."""
+        return self.rows_put
 
     def _safe_point(self, needed_version: int) -> float:
         """Between two batches: wait for the staleness bound and any hold; returns the seconds waited."""

@@ -98,18 +98,6 @@ def test_add_field_values_reach_the_trainer_on_the_right_rows(bus):
     assert extra["adv"] == [5.0, -10.0, 20.0, 0.0, 15.0, -2.5]
 
 
-def test_depth_counts_rows_not_yet_taken_by_the_trainer(bus):
-    before = bus.depth()
-    bus.put(3, [sample(n, group=n // 2) for n in range(4)])
-    assert bus.depth() == before + 4
-    bus.take(3, 3, consumer="evaluator")  # another consumer's take leaves the trainer's queue as it was
-    assert bus.depth() == before + 4
-    bus.take(3, 3)
-    assert bus.depth() == before + 1
-    bus.clear(3)
-    assert bus.depth() == before
-
-
 def test_a_cleared_partition_is_gone(bus):
     bus.put(4, [sample(n, group=0) for n in range(3)])
     bus.clear(4)

@@ -62,10 +62,11 @@ def test_reference_log_probs_equal_a_plain_forward_pass_of_the_reference_model(b
     bus.put(1, batch)
     worker = ray.remote(ReferenceWorker).options(num_cpus=0).remote(str(model_dir), "float32", 3)
     try:
-        assert ray.get(worker.process.remote(1, None)) == len(batch)
-        assert ray.get(worker.process.remote(1, None)) == 0  # each row once
+        assert ray.get(worker.process.remote(1, len(batch))) == len(batch)
     finally:
         ray.kill(worker)
+    with pytest.raises(TimeoutError, match=r"\(0 ready\)"):  # each row is the reference's once
+        bus.claim(1, 1, consumer="reference", timeout_s=0.3)
     taken, extra = bus.take(1, len(batch), ("ref_logprobs",))
     assert [s.sample_id for s in taken] == [s.sample_id for s in batch]
     for sample, ref in zip(taken, extra["ref_logprobs"]):
@@ -88,7 +89,7 @@ def test_two_reference_workers_share_a_step_and_the_trainer_waits_for_both(bus, 
         assert ray.get(workers[0].process.remote(2, 4)) == 4
         with pytest.raises(TimeoutError, match=r"\(4 ready\)"):  # 3 rows still lack their reference column
             bus.claim(2, len(batch), ("ref_logprobs",), timeout_s=0.5)
-        assert ray.get(workers[1].process.remote(2, 4)) == len(batch) - 4
+        assert ray.get(workers[1].process.remote(2, len(batch) - 4)) == len(batch) - 4
     finally:
         for worker in workers:
             ray.kill(worker)

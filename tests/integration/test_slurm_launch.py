@@ -2,10 +2,10 @@
 
 A heterogeneous job brings up Ray across both groups and runs the quick start
 to completion; with a third component (`cluster.reference`, het group 2) a
-fully_async run places rollout, reference and trainer on three nodes; preemption in the middle of a rollout checkpoints at once,
-requeues and resumes; a node whose Ray worker cannot start fails the job with
-its name; the Ray cluster refuses
-drivers without the run's token; and what Slurm can refuse is refused before
+fully_async run places rollout, reference and trainer on three nodes;
+preemption in the middle of a rollout checkpoints at once, requeues and
+resumes; a node whose Ray worker cannot start fails the job with its name;
+the Ray cluster refuses drivers without the run's token; and what Slurm can refuse is refused before
 anything is submitted.
 """
 
