@@ -1,8 +1,22 @@
 """CPU engine throughput and weight-sync speed, each next to a plain-torch baseline.
 
-1. Generation: N concurrent `/generate` requests x T new tokens against the
-   CPU engine (a real server subprocess), vs `model.generate` on the same
-   model, prompts and batch in this process.
+1. Generation: N prompts sent to the CPU engine (a real server subprocess,
+   answering with log-probs as RL rollouts ask) through `EngineClient`, in
+   both forms Relax sends them: N concurrent `/generate` requests (one per
+   sample, as behind a router) and one batched `/generate` of N items (the
+   rollout manager's request to an engine without a router); vs one static
+   `model.generate` batch of the same model, prompts and sampling
+   (temperature 1, no truncation) in this process, with the same number of
+   torch threads. Two cases:
+   - equal lengths: every request T new tokens (`ignore_eos` for the engine,
+     `min_new_tokens` for `model.generate`);
+   - mixed lengths: request i asks for L_i new tokens, L_i drawn from
+     [--mixed-min, --mixed-max]; the static batch must run until its longest,
+     while the engine drops each row when it is done. Both are credited with
+     the sum of L_i, the tokens the caller asked for.
+   Each case runs one warm-up round, then --repeats rounds that each run the
+   engine and the static batch in turn (so both see the same background
+   load); the figures are medians.
 2. Weight sync: `WeightBroadcaster.broadcast` of the model's state dict into
    the engine (bucketed, HTTP-announced, loaded into the model), vs a raw
    `torch.distributed.broadcast` of the same tensors over gloo to a bare
@@ -31,11 +45,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
 from engine_fixtures import HOST, EngineServer, free_port, subprocess_env  # noqa: E402
 
+WARMUP_TOKENS = 8
+FORMS = ("single", "batched")  # how the engine's requests are sent, see `engine_round`
+
 
 def parse_args() -> argparse.Namespace:
+    import torch
+
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64, help="new tokens per request, equal-lengths case")
+    p.add_argument("--mixed-min", type=int, default=8, help="fewest new tokens of a request, mixed case")
+    p.add_argument("--mixed-max", type=int, default=128, help="most new tokens of a request, mixed case")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per case and side")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, both sides")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -54,37 +77,74 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (int(k),), generator=gen).tolist() for k in lengths]
 
 
-async def engine_generation(url: str, batch: list[list[int]], new_tokens: int) -> dict:
-    from relax_core.rollout.client import EngineClient
+def mixed_lengths(n: int, low: int, high: int) -> list[int]:
+    import torch
 
-    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-    async with EngineClient(url) as client:
-        await client.generate(batch[0], sampling_params={**params, "max_new_tokens": 4})  # warm-up
-        before = (await client.get_model_info())["engine_stats"]["forward_passes"]
-        start = time.perf_counter()
-        results = await asyncio.gather(*(client.generate(p, sampling_params=params) for p in batch))
-        seconds = time.perf_counter() - start
-        after = (await client.get_model_info())["engine_stats"]["forward_passes"]
+    return torch.randint(low, high + 1, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+async def engine_round(client, batch: list[list[int]], lengths: list[int], form: str) -> dict:
+    """`form` "single": one concurrent `/generate` per prompt (as behind a router); "batched":
+    one `/generate` with every prompt, each with its own parameters (the rollout manager's
+    request without a router)."""
+    params = [{"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True} for n in lengths]
+    before = (await client.get_model_info())["engine_stats"]["forward_passes"]
+    start = time.perf_counter()
+    if form == "single":
+        results = await asyncio.gather(*(client.generate(p, sampling_params=sp) for p, sp in zip(batch, params)))
+    else:
+        results = await client.generate(batch, sampling_params=params)
+    seconds = time.perf_counter() - start
+    after = (await client.get_model_info())["engine_stats"]["forward_passes"]
     tokens = sum(len(r["output_ids"]) for r in results)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "forward_passes": after - before}
+    assert tokens == sum(lengths), (tokens, sum(lengths))
+    return {"tokens_per_s": tokens / seconds, "forward_passes": after - before}
 
 
-def hf_generation(model, tokenizer, batch: list[list[int]], new_tokens: int) -> dict:
+def hf_round(model, tokenizer, batch: list[list[int]], lengths: list[int]) -> dict:
+    """One static batch, run until its longest request; credited with the tokens asked for."""
     import torch
 
     width = max(len(p) for p in batch)
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
     mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in batch]).unsqueeze(-1)).long()
-    kwargs = dict(attention_mask=mask, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    longest = max(lengths)
+    kwargs = dict(attention_mask=mask, do_sample=True, max_new_tokens=longest, min_new_tokens=longest,
                   pad_token_id=pad, top_k=0, top_p=1.0, temperature=1.0)  # fmt: skip
     with torch.no_grad():
-        model.generate(ids[:1], **{**kwargs, "attention_mask": mask[:1], "max_new_tokens": 4, "min_new_tokens": 4})
         start = time.perf_counter()
         out = model.generate(ids, **kwargs)
         seconds = time.perf_counter() - start
-    tokens = (out.shape[1] - width) * len(batch)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    assert out.shape[1] - width == longest
+    return {"tokens_per_s": sum(lengths) / seconds}
+
+
+async def generation(url: str, model, tokenizer, batch: list[list[int]], cases: dict, repeats: int) -> dict:
+    """Per case: a warm-up round, then `repeats` rounds; a round runs the engine (both
+    request forms), then the static batch. Medians per side."""
+    from relax_core.rollout.client import EngineClient
+
+    async with EngineClient(url) as client:
+
+        async def one_round(lengths: list[int]) -> dict:
+            runs = {form: await engine_round(client, batch, lengths, form) for form in FORMS}
+            return {**runs, "hf": hf_round(model, tokenizer, batch, lengths)}
+
+        figures = {}
+        for name, lengths in cases.items():
+            await one_round([WARMUP_TOKENS] * len(batch))
+            rounds = [await one_round(lengths) for _ in range(repeats)]
+            figures[name] = {side: _medians([r[side] for r in rounds]) for side in rounds[0]}
+    return figures
+
+
+def _medians(runs: list[dict]) -> dict:
+    return {
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "forward_passes": statistics.median(r.get("forward_passes", 0) for r in runs),
+        "runs": [round(r["tokens_per_s"]) for r in runs],
+    }
 
 
 async def engine_sync(url: str, model, bucket_bytes: int, repeats: int) -> dict:
@@ -151,29 +211,44 @@ def main() -> None:
 
     from relax_core.models.tiny import materialize_tiny_model
 
+    torch.set_num_threads(args.threads)
     workdir = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     model_dir = materialize_tiny_model(workdir / "model", hidden_size=args.hidden, num_layers=args.layers)
-    engine = EngineServer(model_dir, workdir / "engine.log").start()
+    engine = EngineServer(model_dir, workdir / "engine.log", None, "--num-threads", str(args.threads)).start()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = prompts(args.requests, args.prompt_len, model.config.vocab_size)
+    cases = {
+        "equal": [args.new_tokens] * args.requests,
+        "mixed": mixed_lengths(args.requests, args.mixed_min, args.mixed_max),
+    }
     try:
         engine.wait_healthy()
-        gen_engine = asyncio.run(engine_generation(engine.base_url, batch, args.new_tokens))
-        gen_hf = hf_generation(model, tokenizer, batch, args.new_tokens)
+        gen = asyncio.run(generation(engine.base_url, model, tokenizer, batch, cases, args.repeats))
         bucket = int(args.bucket_mib * (1 << 20))
         sync_engine = asyncio.run(engine_sync(engine.base_url, model, bucket, args.sync_repeats))
     finally:
         engine.stop()
     sync_raw = raw_sync(model, args.sync_repeats)
-    report(args, gen_engine, gen_hf, sync_engine, sync_raw)
+    report(args, cases, gen, sync_engine, sync_raw)
 
 
-def report(args, gen_engine: dict, gen_hf: dict, sync_engine: dict, sync_raw: dict) -> None:
-    print(f"generation, {args.requests} requests x {args.new_tokens} tokens, {args.hidden}x{args.layers} model")
-    forwards = gen_engine["forward_passes"]
-    print(f"  cpu engine       : {gen_engine['tokens_per_s']:8.1f} tok/s ({forwards} forward passes)")
-    print(f"  model.generate   : {gen_hf['tokens_per_s']:8.1f} tok/s")
+def report(args, cases: dict, gen: dict, sync_engine: dict, sync_raw: dict) -> None:
+    print(f"generation, {args.requests} requests, {args.hidden}x{args.layers} model, {args.threads} threads, "
+          f"median of {args.repeats} rounds, each side in turn")  # fmt: skip
+    mixed = cases["mixed"]
+    titles = {
+        "equal": f"equal lengths, {args.new_tokens} new tokens each",
+        "mixed": f"mixed lengths, {min(mixed)}..{max(mixed)} new tokens (the static batch runs to {max(mixed)})",
+    }
+    labels = {"single": "engine, 1 request each", "batched": "engine, 1 batched req", "hf": "model.generate"}
+    for name, fig in gen.items():
+        hf = fig["hf"]["tokens_per_s"]
+        print(f"  {titles[name]}")
+        for form, label in labels.items():
+            f = fig[form]
+            extra = f" = {f['tokens_per_s'] / hf:.3f}x static ({f['forward_passes']:.0f} forward passes)"
+            print(f"    {label:22s}: {f['tokens_per_s']:8.1f} tok/s{'' if form == 'hf' else extra}  runs {f['runs']}")
     mib = sync_engine["bytes"] / (1 << 20)
     print(f"weight sync of {mib:.1f} MiB (median of {args.sync_repeats})")
     print(f"  WeightBroadcaster: {sync_engine['seconds_median'] * 1e3:8.1f} ms in {sync_engine['buckets']} buckets")
@@ -181,18 +256,27 @@ def report(args, gen_engine: dict, gen_hf: dict, sync_engine: dict, sync_raw: di
     summary = {
         "requests": args.requests,
         "new_tokens": args.new_tokens,
+        "mixed_new_tokens": [args.mixed_min, args.mixed_max],
         "hidden": args.hidden,
         "layers": args.layers,
-        "engine_tokens_per_s": round(gen_engine["tokens_per_s"], 1),
-        "hf_generate_tokens_per_s": round(gen_hf["tokens_per_s"], 1),
-        "engine_vs_hf": round(gen_engine["tokens_per_s"] / gen_hf["tokens_per_s"], 3),
-        "engine_forward_passes": gen_engine["forward_passes"],
-        "sync_bytes": sync_engine["bytes"],
-        "sync_buckets": sync_engine["buckets"],
-        "sync_seconds": round(sync_engine["seconds_median"], 4),
-        "raw_broadcast_seconds": round(sync_raw["seconds_median"], 4),
-        "sync_vs_raw": round(sync_engine["seconds_median"] / sync_raw["seconds_median"], 3),
+        "threads": args.threads,
+        "repeats": args.repeats,
     }
+    for name, prefix in (("equal", ""), ("mixed", "mixed_")):
+        fig = gen[name]
+        hf = fig["hf"]["tokens_per_s"]
+        for form, key in (("single", "engine"), ("batched", "engine_batched")):
+            summary[f"{prefix}{key}_tokens_per_s"] = round(fig[form]["tokens_per_s"], 1)
+            summary[f"{prefix}{key}_vs_hf"] = round(fig[form]["tokens_per_s"] / hf, 3)
+            summary[f"{prefix}{key}_forward_passes"] = fig[form]["forward_passes"]
+        summary[f"{prefix}hf_generate_tokens_per_s"] = round(hf, 1)
+    summary.update(
+        sync_bytes=sync_engine["bytes"],
+        sync_buckets=sync_engine["buckets"],
+        sync_seconds=round(sync_engine["seconds_median"], 4),
+        raw_broadcast_seconds=round(sync_raw["seconds_median"], 4),
+        sync_vs_raw=round(sync_engine["seconds_median"] / sync_raw["seconds_median"], 3),
+    )
     print(json.dumps(summary))
 
 

@@ -99,6 +99,30 @@ def test_concurrent_requests_are_decoded_together(engine, reference):
         assert max_logprob_error(model, prompt, result) < 1e-4
 
 
+def test_rows_joining_and_leaving_the_batch_keep_the_model_logprobs(engine, reference):
+    # Rows finish at different steps (the batch shrinks), a longer prompt joins
+    # while the others decode, and the longest row outgrows the cache's spare
+    # columns: each row still gets the log-probs of its own unpadded forward.
+    model, _ = reference
+    prompts = [[5 + i] * (1 + 3 * i) for i in range(6)]
+    lengths = [3, 90, 17, 60, 1, 45]
+
+    def params(n):
+        return {"max_new_tokens": n, "ignore_eos": True}
+
+    async def scenario(client: EngineClient):
+        first = [asyncio.ensure_future(client.generate(p, sampling_params=params(n))) for p, n in zip(prompts, lengths)]
+        await _until_running(client)
+        late = await client.generate([30] * 20, sampling_params=params(40))
+        return await asyncio.gather(*first), late
+
+    results, late = run(engine, scenario)
+
+    for prompt, n, result in zip(prompts + [[30] * 20], lengths + [40], results + [late]):
+        assert len(result["output_ids"]) == n
+        assert max_logprob_error(model, prompt, result) < 1e-4
+
+
 def test_text_input_gives_single_result(engine, reference):
     _, tokenizer = reference
     result = run(engine, lambda c: c.generate(text="hello world", sampling_params={"max_new_tokens": 4}))

@@ -143,7 +143,11 @@ class Batcher:
     # ---- the scheduler thread ----
 
     def _run(self) -> None:
-        torch.set_grad_enabled(False)  # thread-local
+        # Thread-local; every tensor the engine makes is made on this thread.
+        with torch.inference_mode():
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stopping:
             self._drain(block=not self._has_work())
             if self._stopping or self.hold:

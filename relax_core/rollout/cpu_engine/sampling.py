@@ -45,16 +45,19 @@ def sample_next(
         The sampled token ids and their log-probs (see the module docstring).
     """
     logits = logits.float()
-    temps = torch.tensor([1.0 if r.greedy else r.temperature for r in rows])
-    scaled = logits / temps.unsqueeze(-1)
-    logprobs = torch.log_softmax(logits if original_logprob else scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
+    temps = [1.0 if r.greedy else r.temperature for r in rows]
+    scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps).unsqueeze(-1)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
-    if sampled:
-        index = torch.tensor(sampled)
-        probs = torch.softmax(scaled[index], dim=-1)
-        tokens[index] = _sample_rows(probs, [rows[i] for i in sampled])
-    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if len(sampled) == len(rows):  # the usual RL batch: no greedy row, no scatter
+        tokens = _sample_rows(torch.softmax(scaled, dim=-1), rows)
+    else:
+        tokens = logits.argmax(dim=-1)
+        if sampled:
+            index = torch.tensor(sampled)
+            tokens[index] = _sample_rows(torch.softmax(scaled[index], dim=-1), [rows[i] for i in sampled])
+    # log_softmax at the sampled token only: no [B, V] log-prob tensor.
+    base = logits if original_logprob else scaled
+    chosen = base.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - base.logsumexp(dim=-1)
     return tokens.tolist(), chosen.tolist()
 
 
