@@ -21,8 +21,9 @@ The per-step time `step_s` is the mean of metrics.jsonl's `step_s` over the
 steady steps (the first WARMUP skipped), and `fixed_s = wall_s - steps * step_s`:
 what a run costs besides its steps. With `--repeat N` every number is the
 median of N runs (modes interleaved, the machine is noisy). The last line is
-one JSON object, per mode: wall_s, fixed_s, step_s, steps and the phases
-(when each ended, seconds since the process started). Minutes, not part of the test suite:
+one JSON object, per mode: wall_s, fixed_s, step_s, steps, the phases (when
+each ended, seconds since the process started) and the load average before a
+run (how quiet the machine was). Minutes, not part of the test suite:
 
     python3 tests/benchmarks/bench_startup.py [--modes colocate,fully_async,hybrid] [--repeat 3] [KEY=VALUE ...]
 
