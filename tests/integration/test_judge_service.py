@@ -100,11 +100,11 @@ def test_the_judge_answers_only_with_the_runs_key(one_judge, tmp_path):
     assert one_judge.api_key and len(one_judge.api_key) >= 32
 
 
-def test_two_judge_engines_share_the_calls_and_stop_with_the_service(local_ray, tmp_path):
+def test_two_judge_engines_share_the_calls_and_stop_with_the_service(local_ray, one_judge, tmp_path):
     import ray
 
     echo_judge = echo_judge_model(tmp_path / "judge")  # a folder of its own: its servers are only these
-    before = ray.available_resources().get(JUDGE_RESOURCE, 0)
+    before = _free_judge_slots_settled()
     service, run = start(local_ray, tmp_path, model=str(echo_judge), num_engines=2)
     try:
         endpoints = service.endpoints()
@@ -147,14 +147,14 @@ def test_untrusted_code_stops_the_judge_engine_with_the_reason(local_ray, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_failed_set_up_stops_the_judge_engines(local_ray, tmp_path, one_torch_thread):
+def test_a_failed_set_up_stops_the_judge_engines(local_ray, one_judge, tmp_path, one_torch_thread):
     import ray
     from test_processes import damaged_model
 
     from relax_core.controller.job import Job
 
     echo_judge = echo_judge_model(tmp_path / "judge")
-    before = ray.available_resources().get(JUDGE_RESOURCE, 0)
+    before = _free_judge_slots_settled()
     teacher = damaged_model(tmp_path / "teacher")  # only the trainer reads its weights: it fails after the judges start
     recipe = judge_recipe(tmp_path, ("algorithm.name=opd", f"algorithm.teacher.path={teacher}"),
                           model=str(echo_judge), num_engines=2)
@@ -165,6 +165,20 @@ def test_a_failed_set_up_stops_the_judge_engines(local_ray, tmp_path, one_torch_
     assert not _eventually(lambda: _judge_servers(echo_judge)), "judge engine servers outlived the failed set-up"
     # Ray gives a killed actor's slots back asynchronously: under load (CI) that took over 10 s once
     assert not _eventually(lambda: ray.available_resources().get(JUDGE_RESOURCE, 0) != before, timeout=60)
+
+
+def _free_judge_slots_settled() -> float:
+    """The free judge slots once every judge but the module's `one_judge` has given its slot back.
+
+    The test asking for it holds `one_judge`, so exactly one slot is busy; earlier tests' judges
+    may still be handing theirs back (Ray frees a killed actor's resources asynchronously).
+    """
+    import ray
+
+    expected = ray.cluster_resources()[JUDGE_RESOURCE] - 1
+    assert not _eventually(lambda: ray.available_resources().get(JUDGE_RESOURCE, 0) != expected, timeout=60), \
+        "a judge slot of an earlier test was never given back"
+    return expected
 
 
 def _judge_servers(model: Path) -> set[int]:
