@@ -140,10 +140,11 @@ class Job:
     def _start_trainers(self) -> list:
         world = self.recipe.train_ranks
         gpus = 1 if self.recipe.cluster.train.gpus_per_node else 0
-        # Three threads (asynchronous modes): while a step trains, rank 0 broadcasts the weights of the
-        # one before to the engines and every rank reads the next step's rows from TransferQueue.
+        # Four threads (asynchronous modes): while a step trains, rank 0 broadcasts the weights of the
+        # one before to the engines and hands them to the actor-forward worker, and every rank reads
+        # the next step's rows from TransferQueue.
         actor = self._ray.remote(num_cpus=0, num_gpus=gpus, resources={TRAIN_RESOURCE: 1},
-                                 max_concurrency=3)(TrainerWorker)
+                                 max_concurrency=4)(TrainerWorker)
         self.trainers = [actor.remote(r, world) for r in range(world)]
         self.engines.trainer0 = self.trainers[0]
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())

@@ -5,9 +5,10 @@
     step s: wait for version >= s-1-max_staleness    step s: record s from the rollout service
             newest weights -> engines                        wait for its downstream services
             generate, score -> TransferQueue s               claim the complete rows (metadata)
-            ask reference / advantage services               each trainer rank reads its shard from
-            to process s; record s                           TransferQueue and trains (rank 0 keeps
-                                                             version s aside); publish s; free s
+            ask reference / actor-forward /                  each trainer rank reads its shard from
+            advantage services to process s; record s        TransferQueue and trains (rank 0 keeps
+                                                             version s aside); publish s (to the rollout
+                                                             and the actor-forward worker); free s
                                                              check: every sample once, staleness kept
     told to stop (job.stop)? the engines abort the step being generated, which is dropped; the driver
     checkpoints the last step it trained, with the prompt cursor as of that step, and returns "stopped"
@@ -51,6 +52,8 @@ def train_streaming(job: Job) -> str:
     total = job.recipe.train.steps
     start = job.resume()
     services, ray = job.services, job._ray
+    if job.policy_version > 0:  # resumed: the actor-forward worker holds the model directory's weights
+        services.send_weights(job.trainers[0], job.policy_version)
     ray.get(services.rollout.start.remote(start + 1, total, job.engines.endpoints(), job.prompts.state_dict(),
                                           job.policy_version, services.downstream, job.judge))
     world, fields = len(job.trainers), services.fields
@@ -77,6 +80,7 @@ def train_streaming(job: Job) -> str:
             train_metrics, ids, versions = job.train_results(refs)
             done = time.perf_counter()
             services.rollout.publish.remote(step)
+            services.send_weights(job.trainers[0])
             job.policy_version = step
             books = Books(step, record, ids, versions, engine_stats | train_metrics, dispatched - last_done,
                           done - dispatched, done - last_done)

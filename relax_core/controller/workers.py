@@ -135,10 +135,11 @@ class TrainerWorker:
         return node_id()
 
     def train_step(self, samples: list, advantages: list[float] | None = None,
-                   snapshot_version: int | None = None, ref_logprobs: list | None = None) -> dict[str, float]:
+                   snapshot_version: int | None = None, ref_logprobs: list | None = None,
+                   old_logprobs: list | None = None) -> dict[str, float]:
         """One optimizer step. With `snapshot_version` (asynchronous modes, rank 0) the new weights are
         copied aside as that version, so `sync_weights` can broadcast them while the next step trains."""
-        metrics = self.trainer.train_step(samples, advantages, ref_logprobs)
+        metrics = self.trainer.train_step(samples, advantages, ref_logprobs, old_logprobs)
         if snapshot_version is not None and self.rank == 0:
             self.snapshot = (snapshot_version, [(n, t.detach().clone()) for n, t in
                                                 self.trainer.named_parameters_for_sync()])
@@ -176,7 +177,8 @@ class TrainerWorker:
         else:
             fetched = self._fetch(meta, fields)
         samples, extra, fetch_s = fetched
-        metrics = self.train_step(samples, extra.get("advantages"), snapshot_version, extra.get("ref_logprobs"))
+        metrics = self.train_step(samples, extra.get("advantages"), snapshot_version, extra.get("ref_logprobs"),
+                                  extra.get("old_logprobs"))
         return {"metrics": metrics | {"fetch_s": fetch_s}, "sample_ids": [s.sample_id for s in samples],
                 "versions": [s.policy_version for s in samples]}
 
@@ -189,6 +191,15 @@ class TrainerWorker:
         start = time.perf_counter()
         samples, extra = self.bus.fetch(meta, fields)
         return samples, extra, time.perf_counter() - start
+
+    def policy_weights(self, version: int | None = None) -> tuple[int, list]:
+        """Rank 0: `(version, [(name, tensor), ...])` for the actor-forward service: the newest snapshot
+        (asynchronous modes, while the next step trains), or (`version` given, nothing training) the
+        live weights as that version."""
+        if version is None and self.snapshot is not None:
+            return self.snapshot
+        version = self.trainer.step if version is None else version
+        return version, [(n, t.detach().clone()) for n, t in self.trainer.named_parameters_for_sync()]
 
     def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int) -> None:
         """Rank 0: form the weight-update group with every engine."""

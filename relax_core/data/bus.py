@@ -47,7 +47,7 @@ from relax_core.rollout.types import Sample
 
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
                   "policy_version", "sample_id", "finish_reason", "label", "metadata")
-TOKEN_COLUMNS = frozenset({"ref_logprobs"})  # services' columns with one value per response token
+TOKEN_COLUMNS = frozenset({"ref_logprobs", "old_logprobs"})  # services' columns with one value per response token
 TRAINER = "trainer"  # the consumer the trainer ranks' rows are claimed for
 SEQ = "relax_seq"  # put order, in each row's custom_meta
 POLL_S = 0.005  # TransferQueue's controller answers "not ready" at once in polling mode; we wait here

@@ -1,4 +1,4 @@
-"""Services that add a column to each step's rows: reference log-probs and advantages.
+"""Services that add a column to each step's rows: reference and current-policy log-probs, advantages.
 
     rollout service: partition s is in TransferQueue  ->  worker.process(s, rows)
         worker: claim `rows` rows it has not processed, read only its input columns,
@@ -8,7 +8,14 @@
 `ReferenceWorker` holds the frozen reference model (the initial policy) and
 writes `ref_logprobs`, one log-prob per response token, exactly what the
 trainer's own reference forward would give (the same packing and forward,
-train/batching.py). `AdvantageWorker` runs an outcome estimator (one whose
+train/batching.py). `ActorForwardWorker` holds a copy of the policy, gets the
+actor's weights after every optimizer step (from trainer rank 0, like the
+engines) and writes `old_logprobs`: the proximal policy's log-prob of every
+response token, which the trainer would otherwise recompute before its first
+update (several updates per step, or an estimator that reads them). It uses
+the newest version it has, never one older than the version that generated
+the rows, so with `max_staleness: 0` its log-probs are exactly the trainer's
+own (the weights the step starts from). `AdvantageWorker` runs an outcome estimator (one whose
 spec says `outcome_only`: rewards and group ids suffice) over the whole step
 and writes `advantages`, one per row. Several reference workers share a
 partition (each takes its share of rows); the advantage worker takes the
@@ -21,7 +28,8 @@ from collections.abc import Callable
 
 from relax_core.rollout.types import Sample
 
-REFERENCE_COLUMN, ADVANTAGE_COLUMN = "ref_logprobs", "advantages"
+REFERENCE_COLUMN, ADVANTAGE_COLUMN, OLD_LOGP_COLUMN = "ref_logprobs", "advantages", "old_logprobs"
+WEIGHTS_WAIT_S = 600.0  # an actor-forward worker waits this long for the weights its rows need
 
 
 class _FieldWorker:
@@ -49,11 +57,14 @@ class _FieldWorker:
 
     def process(self, step: int, rows: int) -> int:
         """Add this service's column to `rows` rows of step `step` (all there: the rollout put them)."""
+        return self._process(step, rows, self.compute)
+
+    def _process(self, step: int, rows: int, compute: Callable[[dict[str, list]], list]) -> int:
         if self.bus is None:
             from relax_core.data.bus import SampleBus
 
             self.bus = SampleBus.attach()
-        done = self.bus.process(step, self.consumer, self.inputs, self.output, self.compute, rows)
+        done = self.bus.process(step, self.consumer, self.inputs, self.output, compute, rows)
         self.rows += done
         return done
 
@@ -80,18 +91,85 @@ class ReferenceWorker(_FieldWorker):
         self.micro_batch_size = micro_batch_size
 
     def compute(self, columns: dict[str, list]) -> list[list[float]]:
-        import torch
+        return token_logprobs(self.model, self.pad_id, self.micro_batch_size, columns)
 
-        from relax_core.train.batching import chunks, forward_logprobs, pack
 
-        rows = [Sample(prompt_ids=p, response_ids=r, rollout_logprobs=[])
-                for p, r in zip(columns["prompt_ids"], columns["response_ids"])]
-        out: list[list[float]] = []
-        with torch.no_grad():
-            for part in chunks(rows, self.micro_batch_size):
-                mb = pack(part, self.pad_id)
-                out += mb.response_lists(forward_logprobs(self.model, mb)[0])
-        return out
+class ActorForwardWorker(ReferenceWorker):
+    """Log-probs of every response token under the current policy, as of the newest weights received.
+
+    A threaded actor: `set_weights` arrives while `process` waits for a version new enough.
+    """
+
+    consumer, inputs, output = "actor_forward", ("prompt_ids", "response_ids", "policy_version"), OLD_LOGP_COLUMN
+
+    def __init__(self, model_dir: str, dtype: str, micro_batch_size: int, threads: int = 1,
+                 cpus: list[int] | None = None, trust_remote_code: bool = False, version: int = 0):
+        import threading
+
+        super().__init__(model_dir, dtype, micro_batch_size, threads, cpus, trust_remote_code)
+        self.version = version  # of the weights held: the model directory's are the run's start
+        self.versions_used: dict[int, int] = {}  # step -> version its log-probs came from (tests, logs)
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def set_weights(self, weights: tuple[int, list]) -> int:
+        """Take the actor's weights `(version, [(name, tensor), ...])` unless newer ones are held;
+        returns the version now held."""
+        version, named = weights
+        with self._cond:
+            if version > self.version:
+                state = dict(named)
+                missing = [name for name, _ in self.model.named_parameters() if name not in state]
+                if missing:
+                    raise ValueError(f"actor weights of version {version} lack {missing[:3]}")
+                self.model.load_state_dict(state, strict=False)
+                self.version = version
+            self._cond.notify_all()
+            return self.version
+
+    def process(self, step: int, rows: int) -> int:
+        def compute(columns: dict[str, list]) -> list[list[float]]:
+            logprobs, self.versions_used[step] = self.forward(columns)
+            return logprobs
+
+        return self._process(step, rows, compute)
+
+    def forward(self, columns: dict[str, list]) -> tuple[list[list[float]], int]:
+        """The log-probs of the rows and the weights' version, once it is at least the rows' own."""
+        from relax_core.data.bus import scalar
+
+        needed = max(int(scalar(v)) for v in columns["policy_version"])
+        with self._cond:  # no weights change during the forward
+            if not self._cond.wait_for(lambda: self.version >= needed or self._closed, timeout=WEIGHTS_WAIT_S):
+                raise TimeoutError(f"actor-forward: weights of version {needed} (the rows' own) never came; "
+                                   f"holding version {self.version}")
+            return token_logprobs(self.model, self.pad_id, self.micro_batch_size, columns), self.version
+
+    def used(self) -> dict[int, int]:
+        return dict(self.versions_used)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        super().close()
+
+
+def token_logprobs(model, pad_id: int, micro_batch_size: int, columns: dict[str, list]) -> list[list[float]]:
+    """`model`'s log-prob of every response token of the rows (`prompt_ids`, `response_ids` columns),
+    packed and run as the trainer does (train/batching.py)."""
+    import torch
+
+    from relax_core.train.batching import chunks, forward_logprobs, pack
+
+    rows = [Sample(prompt_ids=p, response_ids=r, rollout_logprobs=[])
+            for p, r in zip(columns["prompt_ids"], columns["response_ids"])]
+    out: list[list[float]] = []
+    with torch.no_grad():
+        for part in chunks(rows, micro_batch_size):
+            mb = pack(part, pad_id)
+            out += mb.response_lists(forward_logprobs(model, mb)[0])
+    return out
 
 
 class AdvantageWorker(_FieldWorker):

@@ -1,7 +1,8 @@
 """Which services a recipe runs, started with the job's other processes and stopped with them.
 
     fully_async: rollout service, reference workers (when the algorithm uses a reference model),
-                 advantage service (when its estimator is outcome-only); the trainer reads both columns
+                 actor-forward worker (when the trainer would recompute logp_old before its updates),
+                 advantage service (when its estimator is outcome-only); the trainer reads their columns
     hybrid:      rollout service only; the trainer ranks compute reference log-probs and advantages
     colocate:    none
 
@@ -15,13 +16,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_core.services.fields import ADVANTAGE_COLUMN, REFERENCE_COLUMN
+from relax_core.services.fields import ADVANTAGE_COLUMN, OLD_LOGP_COLUMN, REFERENCE_COLUMN
 from relax_core.services.rollout import Downstream
 
 
 def reference_service(recipe) -> bool:
     """The reference log-probs come from the reference workers (fully_async and a reference model)."""
     return recipe.mode == "fully_async" and recipe.algorithm.uses_reference
+
+
+def actor_forward_service(recipe) -> bool:
+    """The policy's log-probs before the step's updates (logp_old) come from the actor-forward worker:
+    fully_async, and the trainer would otherwise run a forward for them: several updates per step
+    (`train.global_batch_size` below the step's samples, `train.ppo_epochs` > 1), or an algorithm that
+    reads them before its update (an estimator, a token selection, the KL in the reward)."""
+    if recipe.mode != "fully_async":
+        return False
+    algo, train = recipe.algorithm, recipe.train
+    updates = recipe.samples_per_step // (train.global_batch_size or recipe.samples_per_step) * train.ppo_epochs
+    kl_in_reward = float(algo.estimator_kwargs().get("kl_coef", 0.0)) > 0
+    return updates > 1 or algo.spec.needs_logp_old or bool(algo.spec.token_selection) or kl_in_reward
 
 
 def advantage_service(recipe) -> bool:
@@ -46,13 +60,14 @@ class ServiceSet:
     rollout: Any
     downstream: list[Downstream] = field(default_factory=list)
     fields: tuple[str, ...] = ()  # the columns the services add, which the trainer ranks read
+    actor_forward: Any = None  # the actor-forward worker, which gets the actor's weights after each step
 
     @classmethod
     def start(cls, ray, recipe, *, model_dir: str, api_key: str, trainer0, engine0, cpu_sets: dict,
               train_threads: int) -> ServiceSet:
         from relax_core.cluster.node import REFERENCE_RESOURCE
         from relax_core.controller import setup
-        from relax_core.services.fields import AdvantageWorker, ReferenceWorker
+        from relax_core.services.fields import ActorForwardWorker, AdvantageWorker, ReferenceWorker
         from relax_core.services.placement import beside, on_group
         from relax_core.services.rollout import RolloutService
 
@@ -65,14 +80,21 @@ class ServiceSet:
             if own.nodes:
                 placed, count, cpus = on_group(REFERENCE_RESOURCE), own.nodes, cpu_sets.get("reference")
                 threads = own.cpus_per_node if cpus is None else len(cpus)
-            else:  # where it fits: beside trainer rank 0, sharing its cores
-                placed, count, cpus, threads = beside(ray, trainer0), 1, cpu_sets.get("train"), train_threads
+            else:  # where it fits: beside trainer rank 0, on whichever of the node's cores is idle
+                placed, count, cpus, threads = beside(ray, trainer0), 1, idle_cores(cpu_sets), train_threads
             worker = ray.remote(ReferenceWorker)
             for _ in range(count):
                 handle = worker.options(**placed).remote(model_dir, recipe.model.dtype, recipe.train.micro_batch_size,
                                                          threads, cpus, setup.trust_remote_code(recipe))
                 services.downstream.append(Downstream("reference", handle))
             services.fields += (REFERENCE_COLUMN,)
+        if actor_forward_service(recipe):  # where it fits: beside trainer rank 0, whose weights it gets
+            worker = ray.remote(max_concurrency=2)(ActorForwardWorker)
+            services.actor_forward = worker.options(**beside(ray, trainer0)).remote(
+                model_dir, recipe.model.dtype, recipe.train.micro_batch_size, train_threads, idle_cores(cpu_sets),
+                setup.trust_remote_code(recipe))
+            services.downstream.append(Downstream("actor_forward", services.actor_forward))
+            services.fields += (OLD_LOGP_COLUMN,)
         if advantage_service(recipe):
             algo = recipe.algorithm
             handle = ray.remote(AdvantageWorker).options(**near_engines).remote(
@@ -88,11 +110,26 @@ class ServiceSet:
         names = [("rollout", self.rollout), *((d.name, d.handle) for d in self.downstream)]
         return ", ".join(f"{name} on {node_name(ray, node)}" for (name, _), node in zip(names, nodes))
 
+    def send_weights(self, trainer0, version: int | None = None) -> None:
+        """Hand the actor's newest weights to the actor-forward worker (none: nothing to do); trainer rank 0
+        gives them to it through the object store, the driver sees only the reference. `version` given:
+        the live weights as that version (before the first step, on start or resume)."""
+        if self.actor_forward is not None:
+            self.actor_forward.set_weights.remote(trainer0.policy_weights.remote(version))
+
     def stop(self, ray) -> None:
         """Stop every service: its thread and clients first, then its process."""
         from relax_core.controller.workers import end_actors
 
         end_actors(ray, [self.rollout, *(d.handle for d in self.downstream)], "services", method="close", timeout_s=60)
+
+
+def idle_cores(cpu_sets: dict) -> list[int] | None:
+    """The cores a service beside trainer rank 0 may use where every group shares one machine (local
+    executor): the train and rollout groups' cores together, so the OS runs it where nothing else does
+    (the engines' core once a step is generated, rather than the trainer's). None: no pinning (Slurm)."""
+    cores = sorted({*cpu_sets.get("train", ()), *cpu_sets.get("rollout", ())})
+    return cores or None
 
 
 def node_name(ray, node_id: str) -> str:

@@ -50,6 +50,9 @@ class TorchTrainerConfig:
         reference_service: the reference log-probs come from the reference
             service (fully_async) with each step's samples; no reference model
             is loaded here.
+        actor_forward_service: logp_old (the policy's log-probs before the step's
+            first update) comes with the rows, from the actor-forward service
+            (fully_async), instead of a forward here.
         teacher_path: HF model directory of the distillation teacher (opd);
             its log-probs of the response tokens feed the estimator.
         teacher_dtype: the teacher's parameter dtype.
@@ -93,6 +96,7 @@ class TorchTrainerConfig:
     use_kl_loss: bool = False
     use_reference: bool = False
     reference_service: bool = False
+    actor_forward_service: bool = False
     teacher_path: str | None = None
     teacher_dtype: str = "float32"
     critic_lr: float | None = None

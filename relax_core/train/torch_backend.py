@@ -239,6 +239,7 @@ class TorchTrainer:
     def train_step(
         self, samples: Sequence[Sample], advantages: Sequence[float] | None = None,
         ref_logprobs: Sequence[Sequence[float]] | None = None,
+        old_logprobs: Sequence[Sequence[float]] | None = None,
     ) -> dict[str, float]:
         """One training step on this rank's shard of the step's samples.
 
@@ -248,7 +249,10 @@ class TorchTrainer:
         (one per local sample, e.g. from an advantage worker) is given.
         `ref_logprobs` (one list per local sample, per response token, from
         the reference service) replace the trainer's own reference forward;
-        required when the config says `reference_service`.
+        required when the config says `reference_service`. `old_logprobs`
+        (likewise, from the actor-forward service) replace the forward that
+        computes logp_old before the first update; required when the config
+        says `actor_forward_service` and the step needs logp_old.
 
         Returns:
             Metrics, equal on all ranks: loss, pg_loss, kl_loss, kl, clipfrac,
@@ -261,7 +265,9 @@ class TorchTrainer:
         cfg = self.config
         if cfg.reference_service and ref_logprobs is None and (cfg.use_kl_loss or self._kl_in_reward):
             raise ValueError("the reference log-probs come from the reference service: pass ref_logprobs")
-        minis, step_info = self._minis(samples, advantages, ref_logprobs)
+        if cfg.actor_forward_service and old_logprobs is None and self._recomputes_logp_old:
+            raise ValueError("logp_old comes from the actor-forward service: pass old_logprobs")
+        minis, step_info = self._minis(samples, advantages, ref_logprobs, old_logprobs)
         lr = self.scheduler.get_last_lr()[0]
         totals = _Totals()
         train_policy = self.critic is None or self.step >= cfg.critic_warmup_steps
@@ -277,7 +283,8 @@ class TorchTrainer:
         return self._metrics(totals, lr, step_info)
 
     def _minis(self, samples: Sequence[Sample], advantages: Sequence[float] | None,
-               ref_logprobs: Sequence[Sequence[float]] | None = None) -> tuple[list[_Mini], dict]:
+               ref_logprobs: Sequence[Sequence[float]] | None = None,
+               old_logprobs: Sequence[Sequence[float]] | None = None) -> tuple[list[_Mini], dict]:
         """This rank's shard cut into `num_mini_batches` mini-batches, all prepared before any update.
 
         logp_old, logp_ref and the critic's values of every mini-batch are
@@ -287,8 +294,10 @@ class TorchTrainer:
         """
         bounds = shard_bounds(len(samples), self.config.num_mini_batches)
         parts = [samples[a:b] for a, b in zip(bounds, bounds[1:])]
-        refs = [ref_logprobs[a:b] if ref_logprobs is not None else None for a, b in zip(bounds, bounds[1:])]
-        micro_lists = [self._prepare(part, ref) for part, ref in zip(parts, refs)]
+        def cut(rows):
+            return [rows[a:b] if rows is not None else None for a, b in zip(bounds, bounds[1:])]
+
+        micro_lists = [self._prepare(*args) for args in zip(parts, cut(ref_logprobs), cut(old_logprobs))]
         step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
         minis = [self._normalisers(ms, part) for ms, part in zip(micro_lists, parts)]
         return [mini for mini in minis if mini.seqs > 0], step_info
@@ -296,6 +305,11 @@ class TorchTrainer:
     @property
     def _kl_in_reward(self) -> bool:
         return float(self.config.estimator_kwargs.get("kl_coef", 0.0)) > 0
+
+    @property
+    def _recomputes_logp_old(self) -> bool:
+        """logp_old needs a forward of its own before the first update (not the update's own, detached)."""
+        return self._needs_logp_old or not self._on_policy
 
     @property
     def _needs_logp_old(self) -> bool:
@@ -366,19 +380,26 @@ class TorchTrainer:
         return self.config.num_mini_batches == 1 and self.config.num_epochs == 1
 
     @torch.no_grad()
-    def _prepare(self, samples: Sequence[Sample], ref_rows: Sequence[Sequence[float]] | None = None) -> list[_Micro]:
+    def _prepare(self, samples: Sequence[Sample], ref_rows: Sequence[Sequence[float]] | None = None,
+                 old_rows: Sequence[Sequence[float]] | None = None) -> list[_Micro]:
         """Pack one mini-batch and compute logp_old (when needed) and logp_ref per micro-batch
-        (`ref_rows`: the reference service's log-probs of these samples, instead of a forward here)."""
+        (`ref_rows`, `old_rows`: the reference and actor-forward services' log-probs of these samples,
+        instead of a forward here)."""
         cfg = self.config
         micros = []
         size = cfg.micro_batch_size
+
+        def given(rows, index: int, mb: MicroBatch) -> torch.Tensor:
+            return pad_rows([list(r) for r in rows[index * size:(index + 1) * size]],
+                            mb.loss_mask.shape[1]).to(cfg.device)
+
         for index, part in enumerate(chunks(samples, size) if samples else []):
             mb = self._pack(part)
-            need_old = self._needs_logp_old or not self._on_policy
-            logp_old = forward_logprobs(self.model, mb)[0] if need_old else None
+            logp_old = None
+            if self._recomputes_logp_old:
+                logp_old = given(old_rows, index, mb) if old_rows is not None else forward_logprobs(self.model, mb)[0]
             if ref_rows is not None:
-                rows = [list(r) for r in ref_rows[index * size:(index + 1) * size]]
-                logp_ref = pad_rows(rows, mb.loss_mask.shape[1]).to(cfg.device)
+                logp_ref = given(ref_rows, index, mb)
             else:
                 logp_ref = forward_logprobs(self.ref_model, mb)[0] if self.ref_model is not None else None
             logp_teacher = forward_logprobs(self.teacher, mb)[0] if self.teacher is not None else None

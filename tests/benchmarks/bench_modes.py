@@ -8,8 +8,16 @@ cores). The model is enlarged and the answers lengthened from the quick
 start's so that a rollout and a training step take similar, measurable times.
 Both runs use a KL loss against the reference model (`algorithm.kl.coef`):
 colocate computes the reference log-probs inside the trainer, fully_async in
-its reference service (beside the trainer, on the train group's core), which
-reads and writes them through TransferQueue.
+its reference service (beside the trainer, free to run on either group's core:
+the OS puts it where nothing runs, mostly the engine's core once a step is
+generated), which reads and writes them through TransferQueue.
+
+The rollout may run two versions ahead (`rollout.max_staleness=2`): the rows of
+step s+1 need generation and then the reference forward (about 0.55 + 0.35 s
+here) after version s-1 is out, which is about one train step, so with a bound
+of 1 they are late every other step and the trainer waits (measured: 14 % of
+the step idle at 1, 0.1 % at 2). Give extra overrides to change it, e.g.
+`bench_modes.py rollout.max_staleness=1`.
 
 Per run the steady-state steps (the first WARMUP skipped) give:
 
@@ -42,7 +50,7 @@ STEPS, WARMUP = 30, 5
 WORKLOAD = [
     f"train.steps={STEPS}", "model.hidden_size=128", "model.num_layers=4", "rollout.prompts_per_step=16",
     "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=16", "data.min_len=4", "data.max_len=12",
-    "train.micro_batch_size=32", "rollout.max_staleness=1", "checkpoint.interval=1000",
+    "train.micro_batch_size=32", "rollout.max_staleness=2", "checkpoint.interval=1000",
     "logging.tensorboard=false", "algorithm.kl.coef=0.01",
 ]
 

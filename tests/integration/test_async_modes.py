@@ -179,3 +179,38 @@ def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_t
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["kl_loss"] > 0 for r in rows[1:])  # the KL term saw the service's reference log-probs
     assert all(r["num_samples"] == 16 for r in rows)  # both ranks' shards: the step's advantages over all
+
+
+@pytest.mark.slow
+def test_the_actor_forward_service_gives_the_log_probs_the_trainer_would_compute(
+        local_ray, tmp_path, monkeypatch, one_torch_thread):
+    """Two optimizer steps per step (global batch 8 of 16 samples) need logp_old from before the first:
+    in fully_async the actor-forward worker computes it with the actor's weights it was handed, in hybrid
+    the trainer ranks do. At max_staleness 0 both see the same samples and weights, so every update's
+    numbers agree; the second update's ratio leaves 1, so logp_old of the wrong weights would show."""
+    import ray
+
+    common = ("rollout.max_staleness=0", "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=3",
+              "train.lr=0.05")
+    metrics, used = {}, {}
+    for mode in ("fully_async", "hybrid"):
+        watched = Watched(tmp_path / mode, monkeypatch, f"mode={mode}", *common)
+        services = watched.job.services
+        if mode == "fully_async":
+            assert [d.name for d in services.downstream] == ["actor_forward", "advantages"]
+            assert services.fields == ("old_logprobs", "advantages")
+            worker = services.actor_forward
+            watched.on_train = lambda step, w=worker: used.update(ray.get(w.used.remote()))
+        else:
+            assert services.downstream == [] and services.actor_forward is None
+        assert watched.run_loop() == "completed"
+        watched.on_train = lambda step: None  # the next mode's Watched calls this one's check too
+        metrics[mode] = watched.run.read_metrics()
+    assert used == {1: 0, 2: 1, 3: 2}  # step s: the weights it starts from, version s - 1
+    with pytest.raises(ray.exceptions.RayActorError):  # stopped with the job
+        ray.get(worker.used.remote(), timeout=30)
+    for async_row, hybrid_row in zip(metrics["fully_async"], metrics["hybrid"], strict=True):
+        assert async_row["optimizer_steps"] == hybrid_row["optimizer_steps"] == 2
+        for key in ("pg_loss", "ratio_min", "ratio_max", "clipfrac", "grad_norm", "reward_mean"):
+            assert async_row[key] == pytest.approx(hybrid_row[key], rel=1e-5, abs=1e-6), (async_row["step"], key)
+    assert max(abs(r["ratio_max"] - 1) for r in metrics["hybrid"]) > 1e-3  # the second update moved the ratio

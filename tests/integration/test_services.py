@@ -2,10 +2,14 @@
 
 The reference workers' log-probs must be exactly what the reference model
 gives: the test computes them here with a plain forward pass of the same model
-directory, one sequence at a time, no padding and no packing.
+directory, one sequence at a time, no padding and no packing. The actor-forward
+worker's are those of the actor's weights it was handed, of a version no older
+than the rows' own.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -116,3 +120,36 @@ def test_the_advantage_service_writes_the_estimators_advantages_for_the_whole_st
     a = 0.5 / ((1 / 3) ** 0.5 + 1e-6)  # group 7 = {1, 0, 0, 1}: mean 0.5, unbiased std sqrt(1/3); group 9 equal
     assert extra["advantages"] == pytest.approx([a, -a, -a, a, 0.0, 0.0], abs=1e-5)
     bus.clear(3)
+
+
+def test_the_actor_forward_worker_uses_the_actors_weights_of_the_rows_version_or_newer(bus, model_dir):
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from relax_core.services.fields import ActorForwardWorker
+
+    actor = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():  # the actor after one optimizer step: weights unlike the model directory's
+        for param in actor.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    batch = [dataclasses.replace(s, policy_version=1) for s in samples(actor.config.vocab_size, seed=4)]
+    bus.put(5, batch)
+    worker = ray.remote(max_concurrency=2)(ActorForwardWorker).options(num_cpus=0).remote(
+        str(model_dir), "float32", 3)
+    try:
+        call = worker.process.remote(5, len(batch))
+        assert not ray.wait([call], timeout=1.0)[0], "computed with version 0 weights for rows of version 1"
+        assert ray.get(worker.set_weights.remote((0, []))) == 0  # an older version is ignored, not loaded
+        named = [(n, t.detach().clone()) for n, t in actor.named_parameters()]
+        assert ray.get(worker.set_weights.remote((1, named))) == 1
+        assert ray.get(call, timeout=60) == len(batch)
+        assert ray.get(worker.used.remote()) == {5: 1}
+    finally:
+        ray.kill(worker)
+    taken, extra = bus.take(5, len(batch), ("old_logprobs",))
+    for sample, old in zip(taken, extra["old_logprobs"]):
+        expected = plain_logprobs(actor, sample)
+        assert len(old) == sample.response_len
+        assert max((abs(a - b) for a, b in zip(old, expected)), default=0.0) < 1e-6, sample.sample_id
+    bus.clear(5)

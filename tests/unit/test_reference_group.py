@@ -142,3 +142,28 @@ def test_the_batch_step_starts_the_reference_nodes_ray_worker_in_het_group_2():
     assert argv[:3] == ["relax_core.cluster.node", str(RUN.path), "--group"] and argv[3:6] == [
         "reference", "--index", "2"]
     assert [c[:2] for c, _ in started[:2]] == [["srun", "--het-group=0"], ["srun", "--het-group=1"]]
+
+
+def test_a_reference_worker_beside_the_trainer_may_use_either_groups_cores_on_one_machine():
+    from relax_core.services.launch import idle_cores
+
+    assert idle_cores({"train": [0], "rollout": [1]}) == [0, 1]  # local executor: the OS picks the idle one
+    assert idle_cores({"train": [2, 3], "rollout": [3, 4]}) == [2, 3, 4]
+    assert idle_cores({}) is None  # Slurm: nothing pinned, the node's cores
+
+
+@pytest.mark.parametrize(("overrides", "runs"), [
+    (["mode=fully_async"], False),  # one update per step: logp_old is the update's own forward
+    (["mode=fully_async", "train.global_batch_size=64", "train.micro_batch_size=32"], True),  # 2 updates
+    (["mode=fully_async", "train.ppo_epochs=2"], True),
+    (["mode=fully_async", "algorithm.name=reinforce_pp"], True),  # the KL in its rewards reads logp_old
+    (["mode=hybrid", "train.ppo_epochs=2"], False),  # hybrid: the trainer ranks compute it
+    (["mode=colocate", "train.ppo_epochs=2"], False),
+])
+def test_the_actor_forward_worker_runs_where_the_trainer_would_recompute_logp_old(overrides, runs):
+    from relax_core.controller.setup import trainer_config
+    from relax_core.services.launch import actor_forward_service
+
+    recipe = load_recipe(QUICKSTART, overrides)
+    assert actor_forward_service(recipe) is runs
+    assert trainer_config(recipe).actor_forward_service is runs
