@@ -123,6 +123,19 @@ def test_rows_joining_and_leaving_the_batch_keep_the_model_logprobs(engine, refe
         assert max_logprob_error(model, prompt, result) < 1e-4
 
 
+def test_the_samples_of_one_prompt_share_its_prefill_and_keep_the_model_logprobs(engine, reference):
+    # A group's n samples are one prompt n times: prefilled once, as SGLang's prefix cache does
+    # (`cached_tokens` counts the prompt tokens a row took from another's prefill).
+    model, _ = reference
+    prompts = [[5, 6, 7, 8]] * 4 + [[9, 10]] * 3 + [[11, 12, 13]]
+    params = [{"max_new_tokens": 6, "ignore_eos": True, "sampling_seed": i} for i in range(len(prompts))]
+    results = run(engine, lambda c: c.generate(prompts, sampling_params=params))
+    assert [r["meta_info"]["cached_tokens"] for r in results] == [0, 4, 4, 4, 0, 2, 2, 0]
+    assert len({tuple(r["output_ids"]) for r in results[:4]}) > 1  # each sample draws its own tokens
+    for prompt, result in zip(prompts, results):
+        assert max_logprob_error(model, prompt, result) < 1e-4
+
+
 def test_text_input_gives_single_result(engine, reference):
     _, tokenizer = reference
     result = run(engine, lambda c: c.generate(text="hello world", sampling_params={"max_new_tokens": 4}))

@@ -51,6 +51,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.perf_counter)
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from another row's prefill
 
     @property
     def next_position(self) -> int:
@@ -201,6 +202,11 @@ class Batcher:
         new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         batch, logits = KVBatch.prefill(self.runner, [s.prompt_ids for s in new], self.pad_id)
         self.stats.prefill_passes += 1
+        seen: set[tuple[int, ...]] = set()
+        for seq in new:  # KVBatch.prefill runs each distinct prompt once
+            key = tuple(seq.prompt_ids)
+            seq.cached_tokens = len(key) if key in seen else 0
+            seen.add(key)
         alive = self._sample(new, logits)
         if len(alive) < len(new):
             batch.keep(alive)

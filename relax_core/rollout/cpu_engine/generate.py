@@ -115,7 +115,7 @@ def build_response(
         "finish_reason": seq.finish_reason,
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(seq.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": weight_version,
         "e2e_latency": time.perf_counter() - seq.created,
     }

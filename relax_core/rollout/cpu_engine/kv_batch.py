@@ -5,7 +5,7 @@ The scheduler (`batcher.py`) keeps every running sequence as one row of a
 single forward pass of shape [B, 1]; a 2-D attention mask hides the padding
 and explicit position ids keep each row's positions (RoPE) the same as in an
 unpadded forward. New requests are prefilled together in their own
-`KVBatch` and then merged in (continuous batching); finished rows are
+`KVBatch` (identical prompts once) and then merged in (continuous batching); finished rows are
 dropped and all-padding columns trimmed, so attention never reads more
 columns than the longest live row needs.
 
@@ -72,17 +72,29 @@ class KVBatch:
 
     @classmethod
     def prefill(cls, runner: ModelRunner, prompts: list[list[int]], pad_id: int) -> tuple[KVBatch, torch.Tensor]:
-        """Run the prompts through the model in one left-padded forward."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        """Run the prompts through the model in one left-padded forward.
+
+        Identical prompts (a group's n samples) are run once and their keys and
+        values copied to each of their rows, as SGLang's prefix cache shares them.
+        """
+        first_of: dict[tuple[int, ...], int] = {}
+        rows = [first_of.setdefault(tuple(p), len(first_of)) for p in prompts]
+        unique = [list(p) for p in first_of]
+        width = max(len(p) for p in unique)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in unique])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in unique])
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = runner.last_logits(ids, mask, positions, cache)
         if any(type(layer) is not DynamicLayer for layer in cache.layers):
             raise NotImplementedError("the CPU engine supports full-attention KV caches only")
         batch = cls()
-        batch._fill([([la.keys for la in cache.layers], [la.values for la in cache.layers], mask)])
+        keys, values = [la.keys for la in cache.layers], [la.values for la in cache.layers]
+        if len(unique) < len(prompts):
+            index = torch.tensor(rows)
+            keys, values = [k[index] for k in keys], [v[index] for v in values]
+            mask, logits = mask[index], logits[index]
+        batch._fill([(keys, values, mask)])
         return batch, logits
 
     def decode(self, runner: ModelRunner, tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -109,9 +121,15 @@ class KVBatch:
         self._bind()
 
     def merge(self, other: KVBatch) -> None:
-        """Append the rows of `other` after this batch's rows."""
-        if other.size:
-            self._fill([self._live(), other._live()] if self.size else [other._live()])
+        """Append the rows of `other` after this batch's rows (into an empty batch: take its buffers)."""
+        if not other.size:
+            return
+        if self.size:
+            self._fill([self._live(), other._live()])
+        else:
+            self.keys, self.values, self.mask = other.keys, other.values, other.mask
+            self.start, self.end = other.start, other.end
+            self._bind()
 
     def _live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cols = slice(self.start, self.end)
