@@ -117,8 +117,6 @@ for _spec in (
         "ppo", "gae", "ppo_clip", "token-mean",
         "PPO: GAE advantages from a learned critic, clipped surrogate and clipped value loss",
         config=cfg.PPOConfig, needs_critic=True, min_group_size=1,
-        # the critic is updated in lock-step with the actor on the same nodes
-        modes=("colocate", "hybrid"),
     ),
     AlgorithmSpec("grpo", "grpo", "ppo_clip", "token-mean",
                   "GRPO: group-normalised outcome advantages, clipped surrogate, no critic",

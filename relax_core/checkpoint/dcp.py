@@ -52,7 +52,8 @@ def save_checkpoint(
             "scheduler": ..., "data": {...}, "step": 7}. Values are nested
             dicts/lists of tensors and picklable objects, or objects with
             `state_dict()`/`load_state_dict()` (saved via their state dict).
-            Model weights go under "model" (what `export_hf` reads).
+            Model weights go under "model" (what `export_hf` reads). A section
+            may be one rank's alone (rank 0 saves the critic service's).
         keep_last: keep this many newest iterations (older ones are deleted
             after the new one is marked latest); None keeps all.
         extra_files: small files (name -> content) stored in the iteration dir.
@@ -76,11 +77,21 @@ def save_checkpoint(
     _on_rank0(lambda: _prepare(root, staging), group)
     full = {**plain, RNG_KEY: rng.gather_all_ranks(group)} if save_rng else dict(plain)
     flat, paths = flatten(full)
-    flat[PATHS_KEY] = paths
+    flat[PATHS_KEY] = _every_ranks_paths(paths, group)
     dcp_io.save_flat(staging, flat, group)
     meta = _meta(iteration, hf_dir, model_naming, group)
     _on_rank0(lambda: _finish(root, staging, iteration, meta, extra_files, hf_dir, keep_last), group)
     return layout.get_checkpoint_name(root, iteration)
+
+
+def _every_ranks_paths(paths: dict, group: dist.ProcessGroup | None) -> dict:
+    """The paths of every rank's entries: DCP keeps one rank's copy of the paths object, which must name
+    the entries of a section only some ranks hold too."""
+    if not dcp_io.distributed():
+        return paths
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, paths, group=group)
+    return {name: path for part in gathered for name, path in part.items()}
 
 
 def load_checkpoint(

@@ -220,11 +220,14 @@ class Job:
         return stats
 
     def checkpoint(self, step: int, data_state: dict | None = None) -> None:
-        """Save every rank's state; `data_state`: the prompt cursor as of this step (when rollout runs ahead)."""
+        """Save every rank's state (rank 0 adds the critic service's); `data_state`: the prompt cursor as of
+        this step (when rollout runs ahead)."""
         data = data_state if data_state is not None else self.prompts.state_dict()
         progress = {"step": step, "data": data, "policy_version": step}
         keep = self.recipe.checkpoint.keep_last
-        self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep) for t in self.trainers])
+        critic = self.services.critic_state() if self.services is not None else None
+        self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep, critic if rank == 0 else None)
+                       for rank, t in enumerate(self.trainers)])
         self.checkpointed = step
         self.run.update_state(checkpoint_step=step)
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from relax_core.cluster.lifetime import die_with_parent
 from relax_core.cluster.ports import listening_socket
+from relax_core.services.critic import RETURN_COLUMN, VALUE_COLUMN
 
 log = logging.getLogger(__name__)
 ENGINE_READY_TIMEOUT_S = 300.0
@@ -136,10 +137,10 @@ class TrainerWorker:
 
     def train_step(self, samples: list, advantages: list[float] | None = None,
                    snapshot_version: int | None = None, ref_logprobs: list | None = None,
-                   old_logprobs: list | None = None) -> dict[str, float]:
+                   old_logprobs: list | None = None, values: list | None = None) -> dict[str, float]:
         """One optimizer step. With `snapshot_version` (asynchronous modes, rank 0) the new weights are
         copied aside as that version, so `sync_weights` can broadcast them while the next step trains."""
-        metrics = self.trainer.train_step(samples, advantages, ref_logprobs, old_logprobs)
+        metrics = self.trainer.train_step(samples, advantages, ref_logprobs, old_logprobs, values)
         if snapshot_version is not None and self.rank == 0:
             self.snapshot = (snapshot_version, [(n, t.detach().clone()) for n, t in
                                                 self.trainer.named_parameters_for_sync()])
@@ -165,8 +166,9 @@ class TrainerWorker:
     def train_from_bus(self, meta, fields: tuple[str, ...], snapshot_version: int) -> dict[str, Any]:
         """One optimizer step on the rows `meta` claims, read here straight from TransferQueue (the
         driver handed over their metadata only), or (`meta` None) on those `prefetch` read for step
-        `snapshot_version`. Returns the metrics and which samples were trained on (ids and policy
-        versions), for the driver's exactly-once and staleness checks."""
+        `snapshot_version`. With the critic service, the step's GAE returns of these rows are written
+        back as their `returns` column (the critic's targets). Returns the metrics and which samples
+        were trained on (ids and policy versions), for the driver's exactly-once and staleness checks."""
         if meta is None:
             slot = self._slot(snapshot_version)
             slot[0].wait()
@@ -176,13 +178,15 @@ class TrainerWorker:
                 raise RuntimeError(f"step {snapshot_version}: reading its rows from TransferQueue failed") from fetched
         else:
             fetched = self._fetch(meta, fields)
-        samples, extra, fetch_s = fetched
+        meta, samples, extra, fetch_s = fetched
         metrics = self.train_step(samples, extra.get("advantages"), snapshot_version, extra.get("ref_logprobs"),
-                                  extra.get("old_logprobs"))
+                                  extra.get("old_logprobs"), extra.get(VALUE_COLUMN))
+        if self.trainer.config.critic_service:
+            self.bus.write(meta, RETURN_COLUMN, self.trainer.last_returns)
         return {"metrics": metrics | {"fetch_s": fetch_s}, "sample_ids": [s.sample_id for s in samples],
                 "versions": [s.policy_version for s in samples]}
 
-    def _fetch(self, meta, fields: tuple[str, ...]) -> tuple[list, dict, float]:
+    def _fetch(self, meta, fields: tuple[str, ...]) -> tuple[Any, list, dict, float]:
         from relax_core.data.bus import SampleBus
 
         with self._prefetch_lock:  # a step's read and the next one's prefetch may both come first
@@ -190,7 +194,7 @@ class TrainerWorker:
                 self.bus = SampleBus.attach()
         start = time.perf_counter()
         samples, extra = self.bus.fetch(meta, fields)
-        return samples, extra, time.perf_counter() - start
+        return meta, samples, extra, time.perf_counter() - start
 
     def policy_weights(self, version: int | None = None) -> tuple[int, list]:
         """Rank 0: `(version, [(name, tensor), ...])` for the actor-forward service: the newest snapshot
@@ -241,10 +245,13 @@ class TrainerWorker:
         if resend and self.sent is not None:
             self._broadcast(*self.sent)
 
-    def save_checkpoint(self, ckpt_dir: str, iteration: int, extra: dict[str, Any], keep_last: int) -> str:
+    def save_checkpoint(self, ckpt_dir: str, iteration: int, extra: dict[str, Any], keep_last: int,
+                        critic: dict | None = None) -> str:
+        """Save this rank's state (every rank calls it); `critic`: the critic service's state (rank 0,
+        fully_async), saved under the "critic" key, where the trainer's own critic would be."""
         from relax_core.checkpoint import save_checkpoint
 
-        state = {**self.trainer.state_dict(), "progress": extra}
+        state = {**self.trainer.state_dict(), **({"critic": critic} if critic is not None else {}), "progress": extra}
         return str(save_checkpoint(ckpt_dir, iteration, state, keep_last=keep_last, hf_dir=self.model_dir))
 
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, Any]:

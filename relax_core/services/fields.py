@@ -24,6 +24,7 @@ whole step at once, as group baselines and whitening need.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from relax_core.rollout.types import Sample
@@ -48,6 +49,7 @@ class _FieldWorker:
             pin_process(cpus)
         torch.set_num_threads(threads)
         self.bus = None  # TransferQueue, attached on the first step (it starts while the models load)
+        self._attaching = threading.Lock()  # a threaded worker's first calls may come together
         self.rows = 0  # processed so far (tests and logs)
 
     def node_id(self) -> str:
@@ -60,13 +62,17 @@ class _FieldWorker:
         return self._process(step, rows, self.compute)
 
     def _process(self, step: int, rows: int, compute: Callable[[dict[str, list]], list]) -> int:
-        if self.bus is None:
-            from relax_core.data.bus import SampleBus
-
-            self.bus = SampleBus.attach()
-        done = self.bus.process(step, self.consumer, self.inputs, self.output, compute, rows)
+        done = self._bus().process(step, self.consumer, self.inputs, self.output, compute, rows)
         self.rows += done
         return done
+
+    def _bus(self):
+        with self._attaching:  # TransferQueue's client is one per process, made by the first attach
+            if self.bus is None:
+                from relax_core.data.bus import SampleBus
+
+                self.bus = SampleBus.attach()
+        return self.bus
 
     def compute(self, columns: dict[str, list]) -> list:
         raise NotImplementedError
@@ -104,8 +110,6 @@ class ActorForwardWorker(ReferenceWorker):
 
     def __init__(self, model_dir: str, dtype: str, micro_batch_size: int, threads: int = 1,
                  cpus: list[int] | None = None, trust_remote_code: bool = False, version: int = 0):
-        import threading
-
         super().__init__(model_dir, dtype, micro_batch_size, threads, cpus, trust_remote_code)
         self.version = version  # of the weights held: the model directory's are the run's start
         self.versions_used: dict[int, int] = {}  # step -> version its log-probs came from (tests, logs)

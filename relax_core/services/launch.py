@@ -2,7 +2,8 @@
 
     fully_async: rollout service, reference workers (when the algorithm uses a reference model),
                  actor-forward worker (when the trainer would recompute logp_old before its updates),
-                 advantage service (when its estimator is outcome-only); the trainer reads their columns
+                 advantage service (when its estimator is outcome-only), critic worker (PPO: values
+                 before each step, its own update after it); the trainer reads their columns
     hybrid:      rollout service only; the trainer ranks compute reference log-probs and advantages
     colocate:    none
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_core.services.critic import VALUE_COLUMN
 from relax_core.services.fields import ADVANTAGE_COLUMN, OLD_LOGP_COLUMN, REFERENCE_COLUMN
 from relax_core.services.rollout import Downstream
 
@@ -43,6 +45,11 @@ def advantage_service(recipe) -> bool:
     return recipe.mode == "fully_async" and recipe.algorithm.spec.outcome_only
 
 
+def critic_service(recipe) -> bool:
+    """The critic (PPO's value model) is a service of its own: fully_async and an algorithm with a critic."""
+    return recipe.mode == "fully_async" and recipe.algorithm.spec.needs_critic
+
+
 def advantage_stage(recipe):
     """What the advantage service computes for `recipe`, as a function of a step's samples; None where the
     trainer computes the advantages (not fully_async, or an estimator that needs more than the rewards)."""
@@ -61,12 +68,14 @@ class ServiceSet:
     downstream: list[Downstream] = field(default_factory=list)
     fields: tuple[str, ...] = ()  # the columns the services add, which the trainer ranks read
     actor_forward: Any = None  # the actor-forward worker, which gets the actor's weights after each step
+    critic: Any = None  # the critic worker, which the driver has update after each step
 
     @classmethod
     def start(cls, ray, recipe, *, model_dir: str, api_key: str, trainer0, engine0, cpu_sets: dict,
               train_threads: int) -> ServiceSet:
         from relax_core.cluster.node import REFERENCE_RESOURCE
         from relax_core.controller import setup
+        from relax_core.services.critic import CriticWorker
         from relax_core.services.fields import ActorForwardWorker, AdvantageWorker, ReferenceWorker
         from relax_core.services.placement import beside, on_group
         from relax_core.services.rollout import RolloutService
@@ -95,6 +104,12 @@ class ServiceSet:
                 setup.trust_remote_code(recipe))
             services.downstream.append(Downstream("actor_forward", services.actor_forward))
             services.fields += (OLD_LOGP_COLUMN,)
+        if critic_service(recipe):  # beside trainer rank 0 too: it trains on the same mini-batches
+            worker = ray.remote(max_concurrency=4)(CriticWorker)
+            services.critic = worker.options(**beside(ray, trainer0)).remote(
+                model_dir, setup.trainer_config(recipe), recipe.train_ranks, train_threads, idle_cores(cpu_sets))
+            services.downstream.append(Downstream("critic", services.critic))
+            services.fields += (VALUE_COLUMN,)
         if advantage_service(recipe):
             algo = recipe.algorithm
             handle = ray.remote(AdvantageWorker).options(**near_engines).remote(
@@ -116,6 +131,20 @@ class ServiceSet:
         the live weights as that version (before the first step, on start or resume)."""
         if self.actor_forward is not None:
             self.actor_forward.set_weights.remote(trainer0.policy_weights.remote(version))
+
+    def update_critic(self, step: int, count: int):
+        """Have the critic worker train on step `step` (its `count` rows hold the trainer's returns now); the
+        ref of its metrics, or None without a critic service."""
+        return None if self.critic is None else self.critic.update.remote(step, count)
+
+    def critic_state(self):
+        """The ref of the critic worker's state, for trainer rank 0 to save with a checkpoint (or None)."""
+        return None if self.critic is None else self.critic.state_dict.remote()
+
+    def load_critic(self, ray, ckpt_dir: str, step: int) -> None:
+        """On resume: the critic worker reads its state from checkpoint `step` (nothing without one)."""
+        if self.critic is not None:
+            ray.get(self.critic.load_checkpoint.remote(ckpt_dir, step))
 
     def stop(self, ray) -> None:
         """Stop every service: its thread and clients first, then its process."""

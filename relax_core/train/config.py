@@ -60,6 +60,9 @@ class TorchTrainerConfig:
         critic_path: HF directory the critic's body starts from; None = the policy's.
         critic_value_clip: eps_v of the clipped value loss.
         critic_warmup_steps: train steps during which only the critic is updated.
+        critic_service: the critic runs as a service of its own (fully_async,
+            services/critic.py): its values come with the samples, none is
+            built here, and each step leaves its GAE returns for its update.
         kl_coef: weight of the KL loss term.
         kl_estimator: "k1", "k2", "k3" (= "low_var_kl").
         tis_cap: truncated importance sampling cap C for the rollout/trainer
@@ -103,6 +106,7 @@ class TorchTrainerConfig:
     critic_path: str | None = None
     critic_value_clip: float = 0.2
     critic_warmup_steps: int = 0
+    critic_service: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     tis_cap: float | None = None

@@ -1,12 +1,15 @@
 """PPO's critic: the policy's architecture with a scalar value head, trained next to the policy.
 
-Lives inside `TorchTrainer` (same process, same data-parallel group): the
-trainer asks it for `values` of a packed micro-batch before the step (they
-feed GAE, algorithms/estimators.py:gae) and for the clipped value loss of
-each micro-batch during the update (algorithms/policy_losses.py:value_loss,
-token-mean over the step). It has its own AdamW; the trainer all-reduces
-its gradients exactly as the policy's and saves it under the "critic" key of
-its state dict.
+In `colocate` and `hybrid` it lives inside `TorchTrainer` (same process,
+same data-parallel group): the trainer asks it for `values` of a packed
+micro-batch before the step (they feed GAE, algorithms/estimators.py:gae)
+and takes one critic optimizer `step` per mini-batch after the policy's
+(the clipped value loss, algorithms/policy_losses.py:value_loss, token-mean
+over the mini-batch). It has its own AdamW; the trainer all-reduces its
+gradients exactly as the policy's and saves it under the "critic" key of its
+state dict. In `fully_async` the same `Critic` runs as a service of its own
+(services/critic.py), taking the same optimizer steps on the same
+mini-batches, and its state is saved under the same key.
 
 `V_t`, the value of the state before response token t, is read from the
 hidden state at the position whose logits predict token t (the micro-batch's
@@ -15,6 +18,7 @@ hidden state at the position whose logits predict token t (the micro-batch's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -72,6 +76,13 @@ class Critic:
         self.optimizer = build_optimizer(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                          betas=tuple(betas), eps=adam_eps)
 
+    @classmethod
+    def from_config(cls, policy_path: str | Path, cfg) -> Critic:
+        """The critic a `TorchTrainerConfig` describes: its body from `critic_path`, else the policy's."""
+        return cls(cfg.critic_path or policy_path, lr=cfg.critic_lr, value_clip=cfg.critic_value_clip,
+                   dtype=cfg.dtype, device=cfg.device, weight_decay=cfg.weight_decay, betas=tuple(cfg.betas),
+                   adam_eps=cfg.adam_eps, trust_remote_code=cfg.trust_remote_code)
+
     @torch.no_grad()
     def values(self, mb: MicroBatch) -> torch.Tensor:
         return self.model(mb)
@@ -82,6 +93,24 @@ class Critic:
         out = value_loss(self.model(mb), values_old, returns, mask=mb.loss_mask, value_clip=self.value_clip)
         clipped = float((out.clipped * mb.loss_mask).sum())
         return token_mean(out.loss, mb.loss_mask, global_tokens=global_tokens), clipped
+
+    def step(self, micros: Sequence[tuple[MicroBatch, torch.Tensor, torch.Tensor]], global_tokens: float,
+             grad_clip: float, reduce: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """One optimizer step on a mini-batch's micro-batches `(mb, values_old, returns)`, whose learned
+        tokens number `global_tokens` (over every rank); `reduce(sums)` sums the gradients and `sums` over
+        the data-parallel ranks before the clip (the trainer's). Returns the sums [loss, clipped, tokens]."""
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(3, dtype=torch.float64)
+        for mb, values_old, returns in micros:
+            loss, clipped = self.loss(mb, values_old, returns, global_tokens)
+            loss.backward()
+            sums += torch.tensor([float(loss.detach()), clipped, mb.num_tokens], dtype=torch.float64)
+        if reduce is not None:
+            reduce(sums)
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
+        torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm)
+        self.optimizer.step()
+        return sums
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -94,3 +123,10 @@ class Critic:
             self.model.load_state_dict(state["model"])
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+
+
+def critic_metrics(sums: torch.Tensor, updates: int) -> dict[str, float]:
+    """A step's critic metrics from its optimizer steps' summed [loss, clipped, tokens]: the mean value loss
+    per update and the fraction of learned tokens where the value clip was active."""
+    loss, clipped, tokens = sums.tolist()
+    return {"value_loss": loss / max(updates, 1), "vf_clipfrac": clipped / max(tokens, 1.0)}

@@ -22,6 +22,9 @@ that is empty on every rank is skipped.
 With a critic (PPO, critic.py) the step also reads its values before the
 update (they feed GAE) and takes one critic optimizer step per mini-batch
 after the policy's; a teacher (on-policy distillation) adds its log-probs.
+With the critic service (fully_async, services/critic.py) the values come
+with the samples, no critic is built here, and the step leaves its GAE
+returns in `last_returns` for the service's update.
 
 Loss normalisers (token and sequence counts) are summed over every
 micro-batch and rank of a mini-batch before the first backward, and gradients
@@ -52,7 +55,7 @@ from relax_core.train.batching import (
     shard_bounds,
 )
 from relax_core.train.config import TorchTrainerConfig
-from relax_core.train.critic import Critic
+from relax_core.train.critic import Critic, critic_metrics
 from relax_core.train.optim import build_optimizer, build_scheduler
 from relax_core.train.step_advantages import StepResult, StepRows, pad_rows, step_advantages
 
@@ -163,12 +166,10 @@ class TorchTrainer:
         if cfg.teacher_path:
             self.teacher = load_causal_lm(cfg.teacher_path, cfg.teacher_dtype, cfg.device, cfg.trust_remote_code)
             self.teacher.requires_grad_(False)
-        self.critic = None
-        if cfg.critic_lr is not None:
-            self.critic = Critic(cfg.critic_path or model_path, lr=cfg.critic_lr, value_clip=cfg.critic_value_clip,
-                                 dtype=cfg.dtype, device=cfg.device, weight_decay=cfg.weight_decay,
-                                 betas=tuple(cfg.betas), adam_eps=cfg.adam_eps,
-                                 trust_remote_code=cfg.trust_remote_code)
+        self.critic = None  # with the critic service (fully_async) it runs in a process of its own
+        if cfg.critic_lr is not None and not cfg.critic_service:
+            self.critic = Critic.from_config(model_path, cfg)
+        self.last_returns: list[list[float]] | None = None  # this rank's GAE returns of the last step
         self.pad_id = self.model.config.pad_token_id or 0
         self.optimizer = build_optimizer(
             self.model.parameters(),
@@ -240,6 +241,7 @@ class TorchTrainer:
         self, samples: Sequence[Sample], advantages: Sequence[float] | None = None,
         ref_logprobs: Sequence[Sequence[float]] | None = None,
         old_logprobs: Sequence[Sequence[float]] | None = None,
+        values: Sequence[Sequence[float]] | None = None,
     ) -> dict[str, float]:
         """One training step on this rank's shard of the step's samples.
 
@@ -252,25 +254,31 @@ class TorchTrainer:
         required when the config says `reference_service`. `old_logprobs`
         (likewise, from the actor-forward service) replace the forward that
         computes logp_old before the first update; required when the config
-        says `actor_forward_service` and the step needs logp_old.
+        says `actor_forward_service` and the step needs logp_old. `values`
+        (likewise, from the critic service) replace the critic's forward;
+        required when the config says `critic_service`, and the step then
+        leaves its GAE returns (the critic's targets) in `last_returns`.
 
         Returns:
             Metrics, equal on all ranks: loss, pg_loss, kl_loss, kl, clipfrac,
             ratio_mean/min/max (pi/pi_old over the learned tokens; min/max
             absent when none were learned), entropy, tis_weight (if TIS),
             grad_norm, lr, optimizer_steps, num_tokens, num_samples,
-            reward_mean. Token-level ones are token-means over all updates of
-            the step; losses and grad_norm are means over its optimizer steps.
+            reward_mean, and with a critic here value_loss and vf_clipfrac.
+            Token-level ones are token-means over all updates of the step;
+            losses and grad_norm are means over its optimizer steps.
         """
         cfg = self.config
         if cfg.reference_service and ref_logprobs is None and (cfg.use_kl_loss or self._kl_in_reward):
             raise ValueError("the reference log-probs come from the reference service: pass ref_logprobs")
         if cfg.actor_forward_service and old_logprobs is None and self._recomputes_logp_old:
             raise ValueError("logp_old comes from the actor-forward service: pass old_logprobs")
-        minis, step_info = self._minis(samples, advantages, ref_logprobs, old_logprobs)
+        if cfg.critic_service and values is None:
+            raise ValueError("the critic's values come from the critic service: pass values")
+        minis, step_info = self._minis(samples, advantages, ref_logprobs, old_logprobs, values)
         lr = self.scheduler.get_last_lr()[0]
         totals = _Totals()
-        train_policy = self.critic is None or self.step >= cfg.critic_warmup_steps
+        train_policy = not self._has_critic or self.step >= cfg.critic_warmup_steps
         for _ in range(cfg.num_epochs):
             for mini in minis:
                 if train_policy:
@@ -284,7 +292,8 @@ class TorchTrainer:
 
     def _minis(self, samples: Sequence[Sample], advantages: Sequence[float] | None,
                ref_logprobs: Sequence[Sequence[float]] | None = None,
-               old_logprobs: Sequence[Sequence[float]] | None = None) -> tuple[list[_Mini], dict]:
+               old_logprobs: Sequence[Sequence[float]] | None = None,
+               values: Sequence[Sequence[float]] | None = None) -> tuple[list[_Mini], dict]:
         """This rank's shard cut into `num_mini_batches` mini-batches, all prepared before any update.
 
         logp_old, logp_ref and the critic's values of every mini-batch are
@@ -297,10 +306,15 @@ class TorchTrainer:
         def cut(rows):
             return [rows[a:b] if rows is not None else None for a, b in zip(bounds, bounds[1:])]
 
-        micro_lists = [self._prepare(*args) for args in zip(parts, cut(ref_logprobs), cut(old_logprobs))]
+        micro_lists = [self._prepare(*args) for args in zip(parts, cut(ref_logprobs), cut(old_logprobs), cut(values))]
         step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
         minis = [self._normalisers(ms, part) for ms, part in zip(micro_lists, parts)]
         return [mini for mini in minis if mini.seqs > 0], step_info
+
+    @property
+    def _has_critic(self) -> bool:
+        """PPO: a critic is trained (here, or by the critic service)."""
+        return self.config.critic_lr is not None
 
     @property
     def _kl_in_reward(self) -> bool:
@@ -321,7 +335,7 @@ class TorchTrainer:
         rows = StepRows([s.reward for s in samples], [s.group_id for s in samples], {"mask": []})
         wanted = {"kl": self._kl_in_reward, "logp": self._needs_logp_old,
                   "logp_rollout": self._select is not None, "logp_teacher": self.teacher is not None,
-                  "values": self.critic is not None}
+                  "values": self._has_critic}
         rows.tokens.update({key: [] for key, on in wanted.items() if on})
         for micro in micros:
             mb = micro.mb
@@ -357,7 +371,8 @@ class TorchTrainer:
             result = step_advantages(self._estimator, self.config.estimator_kwargs, step, select=self._select)
             offset = sum(len(part.rewards) for part in gathered[: self.rank])
             result = result.rows(offset, offset + len(samples))
-        if self.critic is not None and result.returns is None:
+        self.last_returns = result.returns
+        if self._has_critic and result.returns is None:
             raise ValueError(f"the critic needs returns; estimator {self.spec.advantage_estimator} gives none")
         start, device = 0, self.config.device
         for micro in micros:
@@ -381,10 +396,11 @@ class TorchTrainer:
 
     @torch.no_grad()
     def _prepare(self, samples: Sequence[Sample], ref_rows: Sequence[Sequence[float]] | None = None,
-                 old_rows: Sequence[Sequence[float]] | None = None) -> list[_Micro]:
-        """Pack one mini-batch and compute logp_old (when needed) and logp_ref per micro-batch
-        (`ref_rows`, `old_rows`: the reference and actor-forward services' log-probs of these samples,
-        instead of a forward here)."""
+                 old_rows: Sequence[Sequence[float]] | None = None,
+                 value_rows: Sequence[Sequence[float]] | None = None) -> list[_Micro]:
+        """Pack one mini-batch and compute logp_old (when needed), logp_ref and the critic's values per
+        micro-batch (`ref_rows`, `old_rows`, `value_rows`: the reference, actor-forward and critic
+        services' numbers for these samples, instead of a forward here)."""
         cfg = self.config
         micros = []
         size = cfg.micro_batch_size
@@ -403,7 +419,10 @@ class TorchTrainer:
             else:
                 logp_ref = forward_logprobs(self.ref_model, mb)[0] if self.ref_model is not None else None
             logp_teacher = forward_logprobs(self.teacher, mb)[0] if self.teacher is not None else None
-            values = self.critic.values(mb) if self.critic is not None else None
+            if value_rows is not None:
+                values = given(value_rows, index, mb)
+            else:
+                values = self.critic.values(mb) if self.critic is not None else None
             micros.append(_Micro(mb, logp_old, logp_ref, logp_teacher, values))
         return micros
 
@@ -491,19 +510,12 @@ class TorchTrainer:
 
     def _critic_update(self, mini: _Mini) -> torch.Tensor:
         """One critic optimizer step on the mini-batch (token-mean clipped value loss); its metric sums."""
-        critic = self.critic
-        critic.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(3, dtype=torch.float64)
-        for micro in mini.micros:
-            loss, clipped = critic.loss(micro.mb, micro.values, micro.returns, mini.tokens)
-            loss.backward()
-            sums += torch.tensor([float(loss.detach()), clipped, micro.mb.num_tokens], dtype=torch.float64)
-        self._all_reduce_grads(critic.parameters())
-        self._all_reduce(sums)
-        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        torch.nn.utils.clip_grad_norm_(critic.parameters(), max_norm)
-        critic.optimizer.step()
-        return sums
+        def reduce(sums: torch.Tensor) -> None:
+            self._all_reduce_grads(self.critic.parameters())
+            self._all_reduce(sums)
+
+        micros = [(micro.mb, micro.values, micro.returns) for micro in mini.micros]
+        return self.critic.step(micros, mini.tokens, self.config.grad_clip, reduce)
 
     def _all_reduce_grads(self, params: list | None = None) -> None:
         """Sum gradients over ranks in one flat buffer (ranks with no samples contribute zeros)."""
@@ -542,9 +554,7 @@ class TorchTrainer:
         if self.config.tis_cap is not None:
             metrics["tis_weight"] = s["tis"] / tokens
         if self.critic is not None:
-            critic = totals.critic.tolist()
-            metrics.update(value_loss=critic[0] / max(totals.critic_updates, 1),
-                           vf_clipfrac=critic[1] / max(critic[2], 1.0))
+            metrics.update(critic_metrics(totals.critic, totals.critic_updates))
         return metrics
 
     # --------------------------------------------------- sync and checkpoint

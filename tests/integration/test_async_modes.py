@@ -35,13 +35,14 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "loggin
 class Watched:
     """A Job whose produced and trained samples are recorded, step by step."""
 
-    def __init__(self, tmp_path: Path, monkeypatch, *overrides: str):
+    def __init__(self, tmp_path: Path, monkeypatch, *overrides: str, run=None):
+        """`run`: the run directory of an earlier job, to resume it (else a fresh one under `tmp_path`)."""
         from relax_core.controller import streaming
         from relax_core.controller.job import Job
         from relax_core.entrypoints.local_driver import local_cpu_sets
 
         self.recipe = load_recipe(QUICKSTART, [*SMALL, *overrides])
-        self.run = new_run_dir(tmp_path, "run").create()
+        self.run = run or new_run_dir(tmp_path, "run").create()
         self.job = Job(self.recipe, self.run, cpu_sets=local_cpu_sets(self.recipe))
         self.generated: list[int] = []
         self.trained: list[tuple[int, list[int], list[int]]] = []  # (step, sample ids, policy versions)
@@ -181,36 +182,68 @@ def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_t
     assert all(r["num_samples"] == 16 for r in rows)  # both ranks' shards: the step's advantages over all
 
 
+PPO = ("algorithm.name=ppo", "algorithm.critic.lr=0.01", "algorithm.critic.warmup_steps=1",
+       "rollout.max_staleness=0", "train.global_batch_size=8", "train.micro_batch_size=4", "train.lr=0.05")
+POLICY_KEYS = ("pg_loss", "ratio_min", "ratio_max", "clipfrac", "grad_norm", "reward_mean", "optimizer_steps")
+CRITIC_KEYS = ("value_loss", "vf_clipfrac")
+
+
+def assert_same_steps(rows: list[dict], expected: list[dict], rel: float) -> None:
+    """Every step's policy and critic metrics agree (those one of them has: no ratio without a policy update)."""
+    for row, other in zip(rows, expected, strict=True):
+        for key in (*POLICY_KEYS, *CRITIC_KEYS):
+            assert (key in row) == (key in other), (row["step"], key)
+            if key in other:
+                assert row[key] == pytest.approx(other[key], rel=rel, abs=1e-7), (row["step"], key)
+
+
 @pytest.mark.slow
-def test_the_actor_forward_service_gives_the_log_probs_the_trainer_would_compute(
+def test_the_critic_and_actor_forward_services_train_as_the_trainer_would_and_resume(
         local_ray, tmp_path, monkeypatch, one_torch_thread):
-    """Two optimizer steps per step (global batch 8 of 16 samples) need logp_old from before the first:
-    in fully_async the actor-forward worker computes it with the actor's weights it was handed, in hybrid
-    the trainer ranks do. At max_staleness 0 both see the same samples and weights, so every update's
-    numbers agree; the second update's ratio leaves 1, so logp_old of the wrong weights would show."""
+    """PPO, two ranks, two optimizer steps per step (global batch 8 of 16 samples), one critic warmup step.
+
+    In fully_async the actor-forward worker writes logp_old with the actor's weights it was handed, and the
+    critic is a service that writes the values and, after each step, takes the critic's optimizer steps on
+    the trainer's returns, cut into the trainer's mini-batches (part k of each rank's shard); in hybrid the
+    trainer ranks do all of it. At max_staleness 0 every step's numbers agree; the second update's ratio
+    leaves 1, so logp_old of the wrong weights would show. The fully_async run is stopped after the
+    checkpoint of step 2 and resumed: the critic reads its state back from the checkpoint (trainer rank 0
+    saved it with its own), the actor-forward worker gets the resumed weights, and step 3 still agrees."""
     import ray
 
-    common = ("rollout.max_staleness=0", "train.global_batch_size=8", "train.micro_batch_size=4", "train.steps=3",
-              "train.lr=0.05")
-    metrics, used = {}, {}
-    for mode in ("fully_async", "hybrid"):
-        watched = Watched(tmp_path / mode, monkeypatch, f"mode={mode}", *common)
+    common = ("train.cpu_ranks_per_node=2", "train.steps=3", "checkpoint.interval=2", *PPO)
+    hybrid = Watched(tmp_path / "hybrid", monkeypatch, "mode=hybrid", *common)
+    assert hybrid.job.services.downstream == [] and hybrid.job.services.critic is None
+    assert hybrid.run_loop() == "completed"
+    hybrid.on_train = lambda step: None  # the next Watched calls this one's check too
+    used = {"critic": {}, "actor_forward": {}}
+
+    def watch(watched: Watched, stop_after: int | None = None) -> None:
         services = watched.job.services
-        if mode == "fully_async":
-            assert [d.name for d in services.downstream] == ["actor_forward", "advantages"]
-            assert services.fields == ("old_logprobs", "advantages")
-            worker = services.actor_forward
-            watched.on_train = lambda step, w=worker: used.update(ray.get(w.used.remote()))
-        else:
-            assert services.downstream == [] and services.actor_forward is None
-        assert watched.run_loop() == "completed"
-        watched.on_train = lambda step: None  # the next mode's Watched calls this one's check too
-        metrics[mode] = watched.run.read_metrics()
-    assert used == {1: 0, 2: 1, 3: 2}  # step s: the weights it starts from, version s - 1
-    with pytest.raises(ray.exceptions.RayActorError):  # stopped with the job
-        ray.get(worker.used.remote(), timeout=30)
-    for async_row, hybrid_row in zip(metrics["fully_async"], metrics["hybrid"], strict=True):
-        assert async_row["optimizer_steps"] == hybrid_row["optimizer_steps"] == 2
-        for key in ("pg_loss", "ratio_min", "ratio_max", "clipfrac", "grad_norm", "reward_mean"):
-            assert async_row[key] == pytest.approx(hybrid_row[key], rel=1e-5, abs=1e-6), (async_row["step"], key)
-    assert max(abs(r["ratio_max"] - 1) for r in metrics["hybrid"]) > 1e-3  # the second update moved the ratio
+        assert [d.name for d in services.downstream] == ["actor_forward", "critic"]
+        assert services.fields == ("old_logprobs", "values")
+
+        def on_train(step: int) -> None:
+            used["critic"].update(ray.get(services.critic.used.remote()))
+            used["actor_forward"].update(ray.get(services.actor_forward.used.remote()))
+            if step == stop_after:
+                watched.job.stop.set()
+
+        watched.on_train = on_train
+
+    stopped = Watched(tmp_path / "fully_async", monkeypatch, "mode=fully_async", *common)
+    watch(stopped, stop_after=2)
+    assert stopped.run_loop() == "stopped"
+    stopped.on_train = lambda step: None
+    resumed = Watched(tmp_path / "fully_async", monkeypatch, "mode=fully_async", *common, run=stopped.run)
+    watch(resumed)
+    assert resumed.run_loop() == "completed"
+    assert [step for step, _, _ in resumed.trained] == [3]
+    # step s: the critic as updated through step s - 1, the actor's weights it starts from (version s - 1)
+    assert used == {"critic": {1: 0, 2: 1, 3: 2}, "actor_forward": {1: 0, 2: 1, 3: 2}}
+    rows, expected = resumed.run.read_metrics(), hybrid.run.read_metrics()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert_same_steps(rows, expected, rel=1e-5)
+    assert [r["optimizer_steps"] for r in expected] == [0, 2, 2]  # warmup: step 1 trains the critic only
+    assert expected[1]["value_loss"] != expected[2]["value_loss"] and expected[1]["vf_clipfrac"] > 0
+    assert max(abs(r["ratio_max"] - 1) for r in expected[1:]) > 1e-3  # the second update moved the ratio

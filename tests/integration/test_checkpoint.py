@@ -302,3 +302,37 @@ def test_two_gloo_ranks_save_and_resume(tmp_path):
     files = {p.name for p in (tmp_path / "ckpt" / "iter_0000002").iterdir()}
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "relax_meta.json"} <= files
     assert json.loads((tmp_path / "ckpt" / "iter_0000002" / "relax_meta.json").read_text())["world_size"] == 2
+
+
+def _rank0_section_main(rank: int, world: int, port: int, root: str) -> None:
+    """Every rank saves its model; rank 0 alone adds a section (as it does the critic service's state)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, _, _ = _build(0)
+        state: dict = {"model": model.state_dict()}
+        if rank == 0:
+            side, opt, sched = _build(1)
+            _train(side, opt, sched, 2)
+            state["side"] = {"model": side.state_dict(), "optimizer": opt.state_dict()}
+            torch.save(_snapshot(side, opt, sched), Path(root) / "side.pt")
+        save_checkpoint(Path(root) / "ckpt", 2, state)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_section_of_rank_0_alone_loads_whole_in_another_process(tmp_path):
+    """DCP keeps one rank's copy of the saved paths; a section only rank 0 holds must be in it, or a fresh
+    optimizer would get no Adam moments back (the critic service reads its state so, services/critic.py)."""
+    mp.spawn(_rank0_section_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    side, opt, _ = _build(7)
+    template = {"side": {"model": side.state_dict(), "optimizer": opt.state_dict()}}
+    load_checkpoint(tmp_path / "ckpt", template, restore_rng=False)
+    opt.load_state_dict(template["side"]["optimizer"])
+    expected = torch.load(tmp_path / "side.pt")
+    for key, value in side.state_dict().items():
+        assert torch.equal(value, expected["model"][key]), key
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(opt.state[p][name], e) for p, e in zip(side.parameters(), expected[name], strict=True))
+    assert [float(opt.state[p]["step"]) for p in side.parameters()] == expected["opt_step"]

@@ -400,9 +400,15 @@ def test_defaults_follow_the_papers():
     assert not ALGO.validate_python({"name": "grpo"}).uses_reference
 
 
-def test_recipe_level_checks_mode_group_size_and_overlong_window():
+def test_recipe_level_checks_mode_group_size_and_overlong_window(monkeypatch):
+    import dataclasses
+
+    from relax_core.algorithms import specs
+
     ppo = ALGO.validate_python({"name": "ppo", "critic": {}})
-    assert algorithm_problems(ppo, mode="colocate", group_size=1, max_new_tokens=64) == []
+    for mode in ("colocate", "hybrid", "fully_async"):  # fully_async: the critic is a service (services/critic.py)
+        assert algorithm_problems(ppo, mode=mode, group_size=1, max_new_tokens=64) == []
+    monkeypatch.setitem(specs._SPECS, "ppo", dataclasses.replace(get_spec("ppo"), modes=("colocate", "hybrid")))
     assert "supports modes colocate, hybrid" in algorithm_problems(ppo, mode="fully_async", group_size=1,
                                                                    max_new_tokens=64)[0]
     assert "at least 2" in spec_problems("grpo", mode="colocate", group_size=1)[0]

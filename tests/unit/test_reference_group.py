@@ -167,3 +167,19 @@ def test_the_actor_forward_worker_runs_where_the_trainer_would_recompute_logp_ol
     recipe = load_recipe(QUICKSTART, overrides)
     assert actor_forward_service(recipe) is runs
     assert trainer_config(recipe).actor_forward_service is runs
+
+
+@pytest.mark.parametrize(("overrides", "runs"), [
+    (["mode=fully_async", "algorithm.name=ppo", "algorithm.critic.lr=1e-3"], True),
+    (["mode=hybrid", "algorithm.name=ppo", "algorithm.critic.lr=1e-3"], False),  # the trainer ranks hold it
+    (["mode=colocate", "algorithm.name=ppo", "algorithm.critic.lr=1e-3"], False),
+    (["mode=fully_async"], False),  # grpo: no critic
+])
+def test_the_critic_is_a_service_of_its_own_in_fully_async_ppo(overrides, runs):
+    from relax_core.controller.setup import trainer_config
+    from relax_core.services.launch import critic_service
+
+    recipe = load_recipe(QUICKSTART, overrides)
+    assert critic_service(recipe) is runs
+    config = trainer_config(recipe)
+    assert config.critic_service is runs and (config.critic_lr is not None) is ("ppo" in str(overrides))
