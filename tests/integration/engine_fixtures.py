@@ -2,9 +2,10 @@
 
 `EngineServer` starts `python -m relax_core.rollout.cpu_engine` as a
 subprocess bound to 127.0.0.1 on a free port, waits for `/health`, and stops
-it (by its own PID) afterwards. Import the fixtures into a test module with
-`from engine_fixtures import tiny_model_dir  # noqa: F401` (the lead may move
-them into conftest.py).
+it (by its own PID) afterwards. The session fixtures `tiny_model_dir` and
+`engine` (one engine server on that model, key `ENGINE_API_KEY`) are registered
+once for all integration modules by tests/integration/conftest.py; a module that
+imports one gets a copy of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,6 +23,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
+ENGINE_API_KEY = "engine-test-key-5d1e"  # the shared `engine`'s
 
 
 def free_port() -> int:
@@ -97,3 +100,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from relax_core.models.tiny import materialize_tiny_model
 
     return materialize_tiny_model(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model_dir, tmp_path_factory) -> Iterator[EngineServer]:
+    """One engine server on `tiny_model_dir` for every module that only sends it requests.
+
+    Nothing may change its weights, labels or settings (a test that does starts an
+    `EngineServer` of its own), and its counters are read as differences, since
+    other tests' requests count too.
+    """
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with EngineServer(tiny_model_dir, log, ENGINE_API_KEY) as server:
+        yield server

@@ -15,22 +15,17 @@ import time
 import httpx
 import pytest
 import torch
-from engine_fixtures import EngineServer, tiny_model_dir  # noqa: F401
+from engine_fixtures import ENGINE_API_KEY as API_KEY
+from engine_fixtures import EngineServer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from relax_core.rollout.client import EngineClient, EngineError, parse_generate_output
 
-API_KEY = "test-token-123"
+# `engine` (conftest.py): the session's engine server on `tiny_model_dir`.
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):  # noqa: F811
-    with EngineServer(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log", API_KEY) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):  # noqa: F811
+def reference(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 

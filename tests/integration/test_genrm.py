@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from engine_fixtures import EngineServer, tiny_model_dir  # noqa: F401
+from engine_fixtures import ENGINE_API_KEY
 
 from relax_core.rewards.genrm import DEFAULT_TEMPLATE, Judge, parse_score, register_judge
 from relax_core.rewards.hub import RewardHub, RewardItem
 
 
-@pytest.fixture(scope="module")
-def judge_url(tiny_model_dir, tmp_path_factory):  # noqa: F811
-    with EngineServer(tiny_model_dir, tmp_path_factory.mktemp("judge") / "engine.log") as server:
-        yield server.base_url
+@pytest.fixture
+def judge_url(engine) -> str:
+    """The session's engine server (conftest.py) as the judge: a server of the user's own, with its key."""
+    return engine.base_url
 
 
 def _direct_reply(url: str, response: str, label: str, question: str) -> str:
     prompt = DEFAULT_TEMPLATE.format(question=question, response=response, label=label)
     body = {"text": prompt, "sampling_params": {"max_new_tokens": 16, "temperature": 0.0}}
-    return httpx.post(f"{url}/generate", json=body, timeout=60).json()["text"]
+    headers = {"Authorization": f"Bearer {ENGINE_API_KEY}"}
+    return httpx.post(f"{url}/generate", json=body, headers=headers, timeout=60).json()["text"]
 
 
 def _expected(reply: str) -> float | None:
@@ -37,6 +38,7 @@ def _expected(reply: str) -> float | None:
 
 def test_genrm_asks_the_judge_engine_and_parses_its_reply(judge_url, monkeypatch):
     monkeypatch.setenv("RELAX_GENRM_URL", judge_url)
+    monkeypatch.setenv("RELAX_GENRM_API_KEY", ENGINE_API_KEY)
     items = [RewardItem("Paris", "Paris", {"question": "Capital of France?"}),
              RewardItem("42", "41", {"question": "6*7?"})]
     with RewardHub("genrm", timeout_s=60) as hub:

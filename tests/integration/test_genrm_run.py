@@ -6,7 +6,8 @@ character, so a template ending in "score 7" is answered "7", a score of 0.7).
 Every sample of every step is judged: each step's reward mean is exactly 0.7
 with no reward errors (an unjudged sample would score 0). The judge's two
 engines logged to the run directory, its key is a run secret, and when the
-run is over no judge engine server runs any more.
+run is over no judge engine server runs any more. Steps are 4 prompts x 4
+samples: each sample costs a judge call, and 16 already reach both judges.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from model_dirs import echo_judge_model
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
 STEPS = 3
+ROLLOUT = {"prompts_per_step": 4, "n_samples_per_prompt": 4}  # 16 judge calls a step, 8 per judge engine
 
 
 def relax(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -40,8 +42,8 @@ def test_a_run_judged_by_the_judge_relax_starts_and_stops(tmp_path: Path, mode: 
     genrm = {"model": "judge", "num_engines": 2, "max_new_tokens": 1,
              "template": "grade {response} vs {label}, score 7"}
     raw = QUICKSTART | {"reward": {"name": "genrm", "timeout_s": 120, "max_error_frac": 1.0, "genrm": genrm},
-                        "train": QUICKSTART["train"] | {"steps": STEPS}, "logging": {"tensorboard": False},
-                        "mode": mode}
+                        "train": QUICKSTART["train"] | {"steps": STEPS}, "rollout": QUICKSTART["rollout"] | ROLLOUT,
+                        "logging": {"tensorboard": False}, "mode": mode}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
     proc = relax("submit", "recipe.yaml", "--executor", "local", "--run-dir", "run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -8,16 +8,22 @@ router in front of two engines), the test lists the TCP sockets every process
 of the job listens on and fails on any address that is not loopback, the
 wildcards 0.0.0.0 and :: included; and no Ray dashboard process may run, nor
 the autoscaler and log monitors.
+
+The same job then shows that nothing it started outlives its driver killed
+with SIGKILL (the module's last test, as it ends the job), so one start of the
+quick start serves both checks.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 from proc_table import (
     cmdline,
+    describe,
     is_loopback,
     job_processes,
     listeners,
@@ -30,6 +36,7 @@ from proc_table import (
 )
 
 EXTERNAL = "10.77.0.2"
+GONE_WITHIN_S = 10  # from the driver's SIGKILL to the last of the job's processes
 WITH_AN_INTERFACE = ("ip link set lo up && ip link add relax0 type veth peer name relax1 && "
                      f"ip addr add {EXTERNAL}/24 dev relax0 && ip link set relax0 up && ip link set relax1 up && "
                      "ip route add default dev relax0")
@@ -47,10 +54,11 @@ def running_job(tmp_path_factory):
     try:
         wait_for_first_step(cwd, driver)
         processes = job_processes(env, driver.pid)
-        yield driver, processes, listeners(list(processes))
+        yield driver, env, processes, listeners(list(processes))
     finally:
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait()
+        if driver.poll() is None:  # the killed-driver test ends it itself
+            driver.kill()
+            driver.wait()
         for pid in wait_until_gone(env, processes, 15):
             os.kill(pid, signal.SIGKILL)
         assert not marked(env) and not still_running(processes)
@@ -58,7 +66,7 @@ def running_job(tmp_path_factory):
 
 @pytest.mark.slow
 def test_every_process_of_a_local_job_listens_on_loopback_only(running_job):
-    driver, processes, found = running_job
+    driver, _, processes, found = running_job
     assert EXTERNAL in open(f"/proc/{driver.pid}/net/fib_trie").read()  # the job does see the interface
     print("listening sockets of the job:\n" + "\n".join(f"  {item}" for item in found))
     listening = {item.pid for item in found}
@@ -70,7 +78,7 @@ def test_every_process_of_a_local_job_listens_on_loopback_only(running_job):
 
 @pytest.mark.slow
 def test_no_dashboard_process_runs(running_job):
-    _, processes, _ = running_job
+    _, _, processes, _ = running_job
     dashboards = [cmdline(pid) for pid in processes if "ray/dashboard/dashboard.py" in cmdline(pid)]
     assert not dashboards, dashboards
     assert any("ray::DashboardAgent" in cmdline(pid) for pid in processes)  # Ray's processes are in view
@@ -80,8 +88,30 @@ def test_no_dashboard_process_runs(running_job):
 def test_no_monitor_process_runs(running_job):
     """A local cluster has a fixed size and its driver reads no worker output: neither the autoscaler's
     monitor nor the log monitor runs (they cost start-up and shutdown time; ray_compat.without_monitors)."""
-    _, processes, _ = running_job
+    _, _, processes, _ = running_job
     scripts = ("autoscaler/_private/monitor.py", "_private/log_monitor.py")
     monitors = [cmdline(pid) for pid in processes if any(script in cmdline(pid) for script in scripts)]
     assert not monitors, monitors
     assert any("raylet" in cmdline(pid) for pid in processes)  # Ray's processes are in view
+
+
+@pytest.mark.slow
+def test_a_killed_driver_leaves_no_process_behind(running_job):
+    """Nothing a run started outlives its driver: SIGKILL to the driver only, by its PID, once it trains, and
+    within a few seconds none of its processes runs any more: router, engine servers, Ray's workers, raylet,
+    GCS, agents. The last test of this module: it ends the job the others inspect."""
+    driver, env, _, _ = running_job
+    processes = job_processes(env, driver.pid)
+    running = {pid: describe(pid) for pid in processes}
+    kinds = " | ".join(running.values())
+    for kind in ("sglang::router", "relax_core.rollout.cpu_engine", "raylet", "gcs_server",
+                 "ray::EngineWorker", "ray::TrainerWorker", "ray::DashboardAgent", "ray::RuntimeEnvAgent"):
+        assert kind in kinds, f"no {kind} among the job's processes: {running}"
+    assert sum("relax_core.rollout.cpu_engine" in c for c in running.values()) == 2
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    killed_at = time.monotonic()
+    left = wait_until_gone(env, processes, GONE_WITHIN_S)
+    print(f"{len(running)} processes of the job; all gone {time.monotonic() - killed_at:.1f}s after SIGKILL")
+    assert not left, f"still running {GONE_WITHIN_S}s after the driver was killed: " + \
+        "; ".join(f"{pid} {describe(pid)}" for pid in left)

@@ -10,26 +10,18 @@ from __future__ import annotations
 import socket
 
 import pytest
-from engine_fixtures import HOST, EngineServer, tiny_model_dir  # noqa: F401
+from engine_fixtures import ENGINE_API_KEY as API_KEY
+from engine_fixtures import HOST
 
 from relax_core.cluster import ports
 from relax_core.rollout import router as router_module
 from relax_core.rollout.router import Router
 
-API_KEY = "port-race-key-1b2c"
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir, tmp_path_factory):  # noqa: F811
-    server = EngineServer(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log", API_KEY,
-                          "--num-threads", "1")
-    with server:
-        server.wait_healthy()
-        yield server
+# `engine` (conftest.py): the session's engine server on `tiny_model_dir`, behind each router here.
 
 
 @pytest.mark.parametrize("taken", ["port", "metrics_port"])
-def test_the_router_starts_on_fresh_ports_when_a_picked_one_was_taken(engine, tiny_model_dir, tmp_path,  # noqa: F811
+def test_the_router_starts_on_fresh_ports_when_a_picked_one_was_taken(engine, tiny_model_dir, tmp_path,
                                                                       monkeypatch, taken):
     with socket.socket() as other:  # another program, listening on the port the router is about to get
         other.bind((HOST, 0))
@@ -47,7 +39,7 @@ def test_the_router_starts_on_fresh_ports_when_a_picked_one_was_taken(engine, ti
             router.stop()
 
 
-def test_a_port_the_caller_chose_is_not_replaced(engine, tiny_model_dir, tmp_path):  # noqa: F811
+def test_a_port_the_caller_chose_is_not_replaced(engine, tiny_model_dir, tmp_path):
     with socket.socket() as other:
         other.bind((HOST, 0))
         other.listen()

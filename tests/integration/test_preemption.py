@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_fixtures import EngineServer, tiny_model_dir  # noqa: F401
+from engine_fixtures import ENGINE_API_KEY
 
 from relax_core.rollout.client import EngineClient, GenerationAborted
 
@@ -100,8 +100,9 @@ def stop_mid_rollout(mode: str, signum: int, cwd: Path) -> tuple[float, int, str
     return took, driver.returncode, out_path.read_text()
 
 
-def test_abort_all_ends_a_rollout_batch_at_once_and_the_batch_is_not_scored(tiny_model_dir, tmp_path):  # noqa: F811
-    """What the stop signal does to the engines (controller/preemption.py), on a real engine server."""
+def test_abort_all_ends_a_rollout_batch_at_once_and_the_batch_is_not_scored(tiny_model_dir, engine):
+    """What the stop signal does to the engines (controller/preemption.py), on a real engine server
+    (the session's, conftest.py)."""
     from transformers import AutoTokenizer
 
     from relax_core.rollout.manager import RolloutManager, SamplingConfig
@@ -110,13 +111,13 @@ def test_abort_all_ends_a_rollout_batch_at_once_and_the_batch_is_not_scored(tiny
     rows = [{"prompt": "ab", "label": "ab"}, {"prompt": "cd", "label": "cd"}]
 
     async def scenario(url: str) -> float:
-        client = EngineClient(url, api_key="key", timeout=120)
+        client = EngineClient(url, api_key=ENGINE_API_KEY, timeout=120)
         sampling = SamplingConfig(n_samples_per_prompt=4, max_new_tokens=480, max_prompt_len=64, temperature=0.0)
         manager = RolloutManager([client], AutoTokenizer.from_pretrained(tiny_model_dir), sampling,
                                  lambda text, *_: scored.append(text) or 1.0)
         batch = asyncio.ensure_future(manager.generate(rows, step=1))
         await until_decoding(client)
-        async with EngineClient(url, api_key="key") as other:  # another client, as the abort thread's
+        async with EngineClient(url, api_key=ENGINE_API_KEY) as other:  # another client, as the abort thread's
             asked = time.monotonic()
             await other.abort_request(abort_all=True)  # sends rid "", which SGLang's AbortReq requires
         with pytest.raises(GenerationAborted, match=r"[1-8] of 8 responses were aborted"):
@@ -125,15 +126,16 @@ def test_abort_all_ends_a_rollout_batch_at_once_and_the_batch_is_not_scored(tiny
         await manager.aclose()
         return took
 
-    with EngineServer(tiny_model_dir, tmp_path / "engine.log", "key") as engine:
-        took = asyncio.run(scenario(engine.base_url))
+    took = asyncio.run(scenario(engine.base_url))
     assert took < 1.0  # not the seconds the rest of 480 tokens would take
     assert scored == []  # an aborted batch is neither scored nor trained on
 
 
 async def until_decoding(client: EngineClient, timeout: float = 20) -> None:
+    """Until the engine took 3 decode steps more than when called (its counters count every test's requests)."""
+    start = (await client.get_model_info())["engine_stats"]["decode_steps"]
     deadline = time.monotonic() + timeout
-    while (await client.get_model_info())["engine_stats"]["decode_steps"] < 3:
+    while (await client.get_model_info())["engine_stats"]["decode_steps"] < start + 3:
         assert time.monotonic() < deadline, "generation did not start"
         await asyncio.sleep(0.02)
 

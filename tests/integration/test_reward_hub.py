@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from engine_fixtures import EngineServer, tiny_model_dir  # noqa: F401
+from engine_fixtures import ENGINE_API_KEY
 
 from relax_core.config.loader import load_recipe
 from relax_core.config.schema import FileData
@@ -180,13 +180,13 @@ def always_half(response, label, metadata):
 '''
 
 
-@pytest.fixture(scope="module")
-def engine_url(tiny_model_dir, tmp_path_factory):  # noqa: F811
-    with EngineServer(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log", "routing-key") as server:
-        yield server.base_url
+@pytest.fixture
+def engine_url(engine) -> str:
+    """The session's engine server (conftest.py), on `tiny_model_dir`."""
+    return engine.base_url
 
 
-def _scored_rows(tiny_model_dir, engine_url, tmp_path, lines, **data) -> list[tuple[float, dict]]:  # noqa: F811
+def _scored_rows(tiny_model_dir, engine_url, tmp_path, lines, **data) -> list[tuple[float, dict]]:
     """(reward, metadata) of each sample of one real rollout over a JSONL data set with these lines."""
     from transformers import AutoTokenizer
 
@@ -195,7 +195,7 @@ def _scored_rows(tiny_model_dir, engine_url, tmp_path, lines, **data) -> list[tu
     (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     rows = build_prompt_source(FileData(path=str(tmp_path / "data.jsonl"), shuffle=False, **data))
     hub = RewardHub("always_one", plugin_dirs=[str(tmp_path / "rewards")], max_error_frac=0.5, error_window=8)
-    client = EngineClient(engine_url, api_key="routing-key", timeout=120)
+    client = EngineClient(engine_url, api_key=ENGINE_API_KEY, timeout=120)
     manager = RolloutManager([client], AutoTokenizer.from_pretrained(tiny_model_dir), SamplingConfig(2, 3, 64), hub)
     try:
         samples = asyncio.run(manager.generate(rows.next_batch(len(lines)), step=1))
@@ -205,14 +205,14 @@ def _scored_rows(tiny_model_dir, engine_url, tmp_path, lines, **data) -> list[tu
     return [(sample.reward, sample.metadata) for sample in samples]
 
 
-def test_a_data_column_called_reward_does_not_route(tiny_model_dir, engine_url, tmp_path):  # noqa: F811
+def test_a_data_column_called_reward_does_not_route(tiny_model_dir, engine_url, tmp_path):
     lines = [{"prompt": "ab", "label": "ab", "reward": value} for value in (0.0, 1, 0.75, "math")]
     scored = _scored_rows(tiny_model_dir, engine_url, tmp_path, lines)
     assert [reward for reward, _ in scored] == [1.0] * 8          # all by the recipe's reward, 2 per prompt
     assert [meta["reward"] for _, meta in scored] == [0.0, 0.0, 1, 1, 0.75, 0.75, "math", "math"]
 
 
-def test_the_reward_key_column_routes_rows_to_their_rewards(tiny_model_dir, engine_url, tmp_path):  # noqa: F811
+def test_the_reward_key_column_routes_rows_to_their_rewards(tiny_model_dir, engine_url, tmp_path):
     tasks = ("always_half", None, "always_half")
     lines = [{"prompt": "ab", "label": "ab", "reward": 9, "task": task} for task in tasks]
     scored = _scored_rows(tiny_model_dir, engine_url, tmp_path, lines, reward_key="task")

@@ -49,6 +49,16 @@ def status(cwd: Path, run: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def final_status(cwd: Path, run: str, timeout: float, what: str) -> dict:
+    """`relax status` of the run once it ended. The wait reads the state in this process, as that command
+    does (run.json and Slurm's view): a command started every second would take a core from the job."""
+    from relax_core.launch.rundir import RunDir
+    from relax_core.launch.status import run_status
+
+    wait_for(lambda: run_status(RunDir(cwd / run))["state"] in ("completed", "failed", "died"), timeout, what)
+    return status(cwd, run)
+
+
 def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -87,8 +97,7 @@ def logs_of(run: Path) -> str:
 def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp_path):
     job_id = submit(tmp_path, "runs/het", "train.steps=20")
     run = tmp_path / "runs" / "het"
-    final = wait_for(lambda: status(tmp_path, "runs/het")["state"] in ("completed", "failed", "died")
-                     and status(tmp_path, "runs/het"), 300, "the job to finish")
+    final = final_status(tmp_path, "runs/het", 300, "the job to finish")
     assert final["state"] == "completed", logs_of(run)
     assert final["job_id"] == job_id and final["step"] == 20 and final["latest_checkpoint"] == 20
     driver_log = (run / "logs" / "driver.log").read_text()
@@ -108,8 +117,7 @@ def test_fully_async_with_a_reference_group_runs_each_service_on_its_own_node(sl
     submit(tmp_path, "runs/ref", "mode=fully_async", "algorithm.kl.coef=0.01", "cluster.reference.nodes=1",
            "cluster.reference.cpus_per_node=1", "train.steps=6")
     run = tmp_path / "runs" / "ref"
-    final = wait_for(lambda: status(tmp_path, "runs/ref")["state"] in ("completed", "failed", "died")
-                     and status(tmp_path, "runs/ref"), 300, "the job to finish")
+    final = final_status(tmp_path, "runs/ref", 300, "the job to finish")
     assert final["state"] == "completed", logs_of(run)
     driver_log = (run / "logs" / "driver.log").read_text()
     assert "all 3 nodes joined" in driver_log and "'relax_reference': 1.0" in driver_log, logs_of(run)
@@ -199,8 +207,7 @@ def test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes(slurm_c
     rerun = wait_for(lambda: json.loads((run / "run.json").read_text()).get("restart_count", 0) >= 1
                      and json.loads((run / "run.json").read_text()), 300, "the requeued job to start")
     assert rerun["job_id"] == job_id and rerun["restart_count"] == 1 and rerun["checkpoint_step"] == 1
-    final = wait_for(lambda: status(tmp_path, "runs/pre")["state"] in ("completed", "failed", "died")
-                     and status(tmp_path, "runs/pre"), 400, "the resumed job to finish")
+    final = final_status(tmp_path, "runs/pre", 400, "the resumed job to finish")
     assert final["state"] == "completed", logs_of(run)
     assert [row["step"] for row in metrics(run)] == [1, 2]
     assert saved_progress(run) == {"step": 2, "data": {"cursor": 2 * PROMPTS_PER_STEP}, "policy_version": 2}
@@ -213,8 +220,7 @@ def test_a_rollout_node_whose_ray_worker_cannot_start_fails_the_job_naming_it(sl
     submit(tmp_path, "runs/bad", "cluster.rollout.env={RAY_AUTH_TOKEN_PATH: /nonexistent/token}",
            "cluster.slurm.startup_timeout_s=60")
     run = tmp_path / "runs" / "bad"
-    final = wait_for(lambda: status(tmp_path, "runs/bad")["state"] in ("completed", "failed", "died")
-                     and status(tmp_path, "runs/bad"), 150, "the job to fail")
+    final = final_status(tmp_path, "runs/bad", 150, "the job to fail")
     assert final["state"] == "failed"
     assert "n2" in final["error"] and "n1" not in final["error"].split("see")[0]
     assert time.monotonic() - start < 60 + 60  # within the readiness timeout (plus job start and teardown)
