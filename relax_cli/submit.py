@@ -20,6 +20,7 @@ def submit(
                                       "(only changes that keep it the same run are accepted)."),
 ) -> None:
     """Run a recipe: locally on this machine, or as a Slurm job."""
+    from relax_core.launch.plan import plan_lines
     from relax_core.launch.submit import dry_run_plan, prepare, record
 
     sub = prepare(recipe, overrides or [], executor, run_dir)
@@ -30,7 +31,7 @@ def submit(
         if sub.job_script is not None:
             out.print(sub.job_script, markup=False, end="")
         out.print(f"run directory: {sub.run.path}", markup=False)
-        for line in dry_run_plan(sub):
+        for line in plan_lines(sub.recipe, sub.executor.name, run_dir=str(sub.run.path)) + dry_run_plan(sub):
             out.print(line, markup=False)
         return
     out.print(f"run directory: {sub.run.path}", markup=False)

@@ -19,6 +19,7 @@ PACKAGES = {
     "ray": "ray",
     "transformers": "transformers",
     "transferqueue": "transferqueue",
+    "sglang": "sglang",  # rollout.engine: sglang (GPU nodes)
 }
 COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "apptainer", "nvidia-smi")
 
@@ -30,7 +31,6 @@ EXECUTORS = {
 }
 # Backends a recipe can name that have no code in this version (launch/preflight.py refuses them).
 NOT_AVAILABLE = {
-    "sglang engine": "rollout.engine: sglang",
     "megatron trainer": "train.backend: megatron",
     "GPU training and rollout": "cluster.*.gpus_per_node > 0",
     "multimodal data": "data.image_key / audio_key / video_key",

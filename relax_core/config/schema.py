@@ -155,8 +155,8 @@ class RolloutConfig(Section):
     """Generation: engines, sampling, and how far rollout may run ahead of training."""
 
     engine: Literal["sglang", "cpu"] = "sglang"
-    """`sglang` on GPU nodes (not available in this version: refused); `cpu` is Relax's own engine
-    speaking SGLang's API (no GPU)."""
+    """`sglang`: `sglang.launch_server` on GPU nodes, `gpus_per_engine` GPUs (TP ranks) each; `cpu`: Relax's
+    own engine speaking SGLang's API (no GPU)."""
     num_engines: int = Field(1, ge=1)
     """Number of engine servers."""
     gpus_per_engine: int = Field(1, ge=0)
@@ -185,8 +185,10 @@ class RolloutConfig(Section):
     engine). Null: when there is more than one engine; without it the rollout manager spreads prompt
     groups over the engines itself."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
-    """Extra server arguments passed to each SGLang engine (e.g. `mem_fraction_static`); the cpu engine
-    takes none, and SGLang is not available in this version, so a non-empty value is refused."""
+    """Extra server arguments of each SGLang engine, by SGLang's names (`mem_fraction_static: 0.7` ->
+    `--mem-fraction-static 0.7`; true/false for on/off flags, a list for several values). Each key is checked
+    against SGLang's server arguments (the installed SGLang's, else the pinned version's); the ones Relax
+    sets itself (model path, host, port, TP size, seed, ...) are refused. The cpu engine takes none."""
 
     @property
     def uses_router(self) -> bool:
@@ -232,6 +234,17 @@ class TorchTrainConfig(TrainCommon):
     """Training backend: `torch`."""
     cpu_ranks_per_node: int = Field(1, ge=1)
     """Data-parallel processes per node when the node has no GPU."""
+    fsdp: bool | None = None
+    """Shard parameters, gradients and optimizer state over the training ranks (FSDP2), float32 master
+    weights computed in `model.dtype`. Null: on when the train group has GPUs. A checkpoint resumes with
+    the same setting."""
+    recompute_activations: bool = False
+    """Recompute each decoder layer's activations in the backward pass: less memory, about a third more
+    compute."""
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    """Token budget of one micro-batch on one rank: samples (at most `micro_batch_size`) are packed one
+    after another into one row, without padding, up to this many prompt+response tokens (a longer
+    sample goes alone). Null: padded micro-batches of `micro_batch_size` samples."""
 
 
 class MegatronTrainConfig(TrainCommon):
@@ -542,15 +555,7 @@ def _engine_problems(r: Recipe) -> list[str]:
         return []
     if ro.gpus_per_engine < 1:
         return ["rollout.gpus_per_engine: the sglang engine needs at least 1 GPU per engine"]
-    group_name = rollout_group_name(r)
-    group = getattr(r.cluster, group_name)
-    needed = ro.num_engines * ro.gpus_per_engine
-    if needed > group.gpus:
-        return [
-            f"rollout.num_engines: {ro.num_engines} engines x {ro.gpus_per_engine} GPUs = {needed} GPUs, "
-            f"but cluster.{group_name} has {group.nodes} nodes x {group.gpus_per_node} GPUs = {group.gpus}"
-        ]
-    return []
+    return []  # whether the engines' GPUs fit their group: launch/plan.py (resource_problems, at validate)
 
 
 def _train_problems(r: Recipe) -> list[str]:

@@ -8,15 +8,32 @@
         log; checkpoint every `checkpoint.interval` steps and at the end
     told to stop (job.stop, controller/preemption.py)? a rollout in progress is aborted and dropped,
     a training step in progress finishes; checkpoint the last completed step and return "stopped"
+
+On shared GPUs (colocate on GPU nodes without a rollout group, `shares_gpus`)
+the engines give their GPU memory to the trainer while it trains, and the
+weights move by reference (CUDA IPC, relax_core/weights/ipc.py: NCCL cannot
+broadcast between two ranks on one device), in SGLang's (and verl's, slime's)
+order:
+
+    release all (weights, kv_cache, cuda_graph) -> train ->
+    resume weights -> hand the new weights over -> resume kv_cache, cuda_graph
+
+Elsewhere (CPU engines, or engines on a rollout group of their own) the
+engines keep their memory and the weights are broadcast (weights/sync.py).
 """
 
 from __future__ import annotations
 
 from statistics import fmean
 
+from relax_core.config.schema import Recipe
 from relax_core.controller.job import Job, timed
 from relax_core.controller.preemption import Preempted
+from relax_core.launch.plan import engine_slot_gpus, engines_share_train_gpus
 from relax_core.rollout.types import Sample
+
+# SGLang's memory tags: what an engine frees while the trainer trains, and the two halves it resumes in.
+WEIGHT_TAGS, CACHE_TAGS = ["weights"], ["kv_cache", "cuda_graph"]
 
 
 def train_colocate(job: Job) -> str:
@@ -28,8 +45,8 @@ def train_colocate(job: Job) -> str:
             samples, rollout_s = timed(job.rollout, step)
         except Preempted:
             return job.stop_here()
-        train_metrics, train_s = timed(job.train, samples)
-        sync_stats, sync_s = timed(job.sync_weights, step)
+        train_metrics, train_s = timed(train_step, job, samples)
+        sync_stats, sync_s = timed(sync_weights, job, step)
         job.log(step, step_metrics(samples, rollout_s, train_s, sync_s, job.policy_version)
                 | job.rollout_manager.last_reward_stats | engine_stats | train_metrics | sync_stats)
         job.step_done(step)
@@ -38,6 +55,36 @@ def train_colocate(job: Job) -> str:
         if job.stop.is_set() and step < total:
             return job.stop_here()
     return "completed"
+
+
+def shares_gpus(recipe: Recipe) -> bool:
+    """The engines run on the trainer ranks' GPUs: they release their memory while the trainer trains,
+    and receive the weights by reference."""
+    return engines_share_train_gpus(recipe)
+
+
+def handover_sources(recipe: Recipe, slot: int) -> list[int]:
+    """The trainer rank on the GPU of each TP rank of the engine in GPU slot `slot` (launch/plan.py's layout:
+    trainer rank r on GPU r % G of node r // G), which hands that TP rank its weights."""
+    node, gpus = engine_slot_gpus(recipe, slot)
+    return [node * recipe.cluster.train.gpus_per_node + gpu for gpu in gpus]
+
+
+def train_step(job: Job, samples: list[Sample]) -> dict[str, float]:
+    """One training step; on shared GPUs with the engines' memory released for it."""
+    if shares_gpus(job.recipe):
+        job.engines.release_memory(job.loop)
+    return job.train(samples)
+
+
+def sync_weights(job: Job, step: int) -> dict[str, float]:
+    """The new weights into every engine; on shared GPUs into resumed weights, then the cache resumed."""
+    if not shares_gpus(job.recipe):
+        return job.sync_weights(step)
+    job.engines.resume_memory(job.loop, WEIGHT_TAGS)
+    stats = job.sync_weights(step)
+    job.engines.resume_memory(job.loop, CACHE_TAGS)
+    return stats
 
 
 def step_metrics(samples: list[Sample], rollout_s: float, train_s: float, sync_s: float, version: int) -> dict:

@@ -5,7 +5,7 @@ router in front of them (when there is one) and the trainer's weight-update
 group that reaches them. Every change happens at a safe point, when no
 request is in flight on the driver's side (between two rollout batches):
 
-    add:     start engine -> healthy -> weight group re-formed with it ->
+    add:     start engine (in a free slot: its GPUs, gpu_slots.py) -> healthy -> weight group re-formed with it ->
              current weights broadcast to every engine -> router routes to it
     remove:  router stops routing to it and waits until it drained ->
              weight group re-formed without it -> engine stopped by PID
@@ -21,10 +21,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-from relax_core.cluster.node import ROLLOUT_RESOURCE
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +40,31 @@ class EngineSpec:
     gpus: int = 0
     cpus: list[int] | None = None  # cores to pin the engine to (local executor), None: no pinning
     trust_remote_code: bool = False  # the model directory's own code may run (model.trust_remote_code)
+    engine: str = "cpu"  # rollout.engine: "cpu" or "sglang"
+    engine_args: dict[str, Any] = field(default_factory=dict)  # rollout.engine_args (SGLang server arguments)
+
+    @property
+    def ranks_per_engine(self) -> int:
+        """Ranks each engine has in the weight-update group: every TP rank of an SGLang engine."""
+        return self.gpus if self.engine == "sglang" else 1
+
+    @property
+    def weight_backend(self) -> str:
+        """The weight-update group's backend: NCCL to engines on GPUs, gloo to the CPU engine."""
+        return "nccl" if self.gpus else "gloo"
 
 
 class EngineSet:
-    def __init__(self, ray, spec: EngineSpec, bucket_bytes: int, router=None, trainer0=None):
-        """`router`: a `relax_core.rollout.router.Router` (started by `connect`), or None to reach the
-        engines directly; `trainer0`: rank 0 of the trainers, which owns the weight broadcaster (set
-        before `connect`)."""
+    def __init__(self, ray, spec: EngineSpec, bucket_bytes: int, slots, router=None, trainer0=None,
+                 sources_of: Callable[[int], list[int]] | None = None):
+        """`slots`: the run's `GpuSlots` (where each engine goes); `router`: a `relax_core.rollout.router.Router`
+        (started by `connect`), or None to reach the engines directly; `trainer0`: rank 0 of the trainers,
+        which owns the weight broadcaster (set before `connect`); `sources_of` (engines on the trainer ranks'
+        GPUs, colocate.py): slot -> the trainer rank on each of its GPUs, which hands the weights over by
+        reference to the engine rank there (weights/ipc.py); None: weights are broadcast."""
         self._ray, self.spec, self.trainer0, self.bucket_bytes, self.router = ray, spec, trainer0, bucket_bytes, router
+        self.slots, self.sources_of = slots, sources_of
+        self._slot_of: dict[int, Any] = {}  # slot -> the engine actor holding it
         self.actors: dict[str, Any] = {}  # url -> EngineWorker actor
         self._next_index = 0
         self._pending: list[int] = []  # requested changes (+1 / -1), applied at the next safe point
@@ -67,20 +82,63 @@ class EngineSet:
 
         s, index = self.spec, self._next_index
         self._next_index += 1
+        slot = self._free_slot()
+        options, gpus = self.slots.engine_options(slot)
         # Two threads: where it runs (`node_id`, to place the rollout service beside it) is answered
         # while `wait_ready` still waits for the server.
-        actor = self._ray.remote(num_cpus=0, num_gpus=s.gpus, resources={ROLLOUT_RESOURCE: max(s.gpus, 1)},
-                                 max_concurrency=2)(
-            EngineWorker).remote(index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads,
-                                 s.seed, s.max_running_requests, s.cpus, s.trust_remote_code)
+        actor = self._ray.remote(max_concurrency=2)(EngineWorker).options(**options).remote(
+            index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads, s.seed,
+            s.max_running_requests, s.cpus, s.trust_remote_code, engine=s.engine, engine_args=s.engine_args,
+            tp_size=max(s.gpus, 1), gpus=gpus)
+        self._slot_of[slot] = actor
         return actor
+
+    def _free_slot(self) -> int:
+        """The lowest slot no engine holds: its GPUs (gpu_slots.py); CPU engines have as many as they need."""
+        capacity = self.slots.engine_capacity
+        free = [slot for slot in range(capacity or len(self._slot_of) + 1) if slot not in self._slot_of]
+        if not free:
+            raise RuntimeError(f"no GPUs left for another engine: the {capacity} engine slots of the engines' "
+                               "node group are all taken")
+        return free[0]
 
     def connect(self, urls: list[str]) -> None:
         """Once the first engines are healthy: form the weight group, start the router."""
         self.actors = dict(zip(urls, self._launched))
-        self._ray.get(self.trainer0.connect_engines.remote(urls, self.spec.api_key, self.bucket_bytes))
+        self._ray.get(self.trainer0.connect_engines.remote(urls, self.spec.api_key, self.bucket_bytes,
+                                                           self.spec.ranks_per_engine, self.spec.weight_backend,
+                                                           self._sources()))
         if self.router is not None:
             self.router.start(urls)
+
+    @property
+    def hands_over(self) -> bool:
+        """The weights go by reference from every trainer rank (`Job.sync_weights` calls them all)."""
+        return self.sources_of is not None
+
+    def _sources(self) -> dict[str, list[int]] | None:
+        """Engine URL -> the trainer rank feeding each of its TP ranks (None: weights are broadcast)."""
+        if self.sources_of is None:
+            return None
+        slot_of = {id(actor): slot for slot, actor in self._slot_of.items()}
+        return {url: self.sources_of(slot_of[id(actor)]) for url, actor in self.actors.items()}
+
+    # ------------------------------------------------------ memory (shared GPUs)
+    def release_memory(self, loop: asyncio.AbstractEventLoop, tags: list[str] | None = None) -> None:
+        """Every engine (idle) gives back the memory of `tags` (None: all) until `resume_memory`."""
+        loop.run_until_complete(self._each_engine(lambda c: c.release_memory_occupation(tags)))
+
+    def resume_memory(self, loop: asyncio.AbstractEventLoop, tags: list[str] | None = None) -> None:
+        loop.run_until_complete(self._each_engine(lambda c: c.resume_memory_occupation(tags)))
+
+    async def _each_engine(self, call) -> None:
+        from relax_core.rollout.client import EngineClient
+
+        clients = [EngineClient(url, api_key=self.spec.api_key) for url in self.urls]
+        try:
+            await asyncio.gather(*(call(c) for c in clients))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
 
     @property
     def urls(self) -> list[str]:
@@ -129,6 +187,9 @@ class EngineSet:
 
     async def add(self) -> str:
         """Start one engine, give it the weights every other engine holds, then route to it."""
+        if self.hands_over:  # the resend would need every trainer rank, which only `Job.sync_weights` calls
+            raise RuntimeError("engines on the trainer ranks' GPUs (colocate on GPU nodes) cannot be added "
+                               "during a run; start the run with rollout.num_engines of them")
         actor = self._spawn()
         url = await asyncio.wrap_future(actor.wait_ready.remote().future())
         self.actors[url] = actor
@@ -145,6 +206,7 @@ class EngineSet:
         actor = self.actors.pop(url)
         await asyncio.wrap_future(self.trainer0.set_engines.remote(self.urls, False).future())
         await asyncio.wrap_future(actor.stop.remote().future())
+        self._slot_of = {slot: a for slot, a in self._slot_of.items() if a is not actor}  # its GPUs are free
         log.info("engine %s removed", url)
 
     # ------------------------------------------------------------ shutdown

@@ -15,12 +15,13 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 from typing import Any
 
-from relax_core.cluster.node import TRAIN_RESOURCE
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
 from relax_core.controller.workers import TrainerWorker, end_actors
+from relax_core.launch.plan import threads_per_process
 from relax_core.launch.rundir import RunDir
 from relax_core.rollout.types import Sample
 
@@ -56,6 +57,7 @@ class Job:
         self.trainers: list = []
         self._ray = ray
         self.engines = None
+        self.slots = None  # controller/gpu_slots.py: what each trainer rank and engine asks Ray for
         self.bus = None  # TransferQueue (asynchronous modes)
         self.services = None  # relax_core.services.launch.ServiceSet (asynchronous modes)
         self.rows_trained = 0  # asynchronous modes: rows trained on by this driver (for the queue depth)
@@ -72,8 +74,10 @@ class Job:
         """Engines, trainers and services (loading their models in parallel), TransferQueue meanwhile
         (asynchronous modes); then the router, and the reward hub and manager of colocate's rollout.
         The judge engines of `reward.genrm` load theirs meanwhile too (rewards/judge_service.py)."""
+        from relax_core.controller.gpu_slots import GpuSlots
         from relax_core.rewards.judge_service import JudgeService
 
+        self.slots = GpuSlots.reserve(self._ray, self.recipe)
         group = rollout_group_name(self.recipe)
         self.judges = JudgeService.start(self._ray, self.recipe, self.run, self._threads(group),
                                          self.cpu_sets.get(group))
@@ -103,19 +107,13 @@ class Job:
         self.bus = SampleBus.start(self.recipe.samples_per_step, max_partitions=self.recipe.rollout.max_staleness + 2)
 
     def _threads(self, group: str) -> int:
-        """Torch threads per process: a node's cores split between the processes it hosts.
-
-        Oversubscribed CPU threads make torch an order of magnitude slower, and
-        in colocate mode the processes take turns anyway.
-        """
-        cluster, nodes = self.recipe.cluster, getattr(self.recipe.cluster, group)
-        per_node = {"train": -(-self.recipe.train_ranks // cluster.train.nodes), "rollout": 0}
-        engine_group = "rollout" if cluster.rollout.nodes else "train"
-        per_node[engine_group] += -(-self.recipe.rollout.num_engines // getattr(cluster, engine_group).nodes)
-        cores = min(len(self.cpu_sets.get(group, ())) or nodes.cpus_per_node, os.cpu_count() or 1)
-        return max(1, cores // max(per_node[group], 1))
+        """Torch threads per process: this node's cores of `group` split between the processes it hosts
+        (launch/plan.py, which shows them)."""
+        cores = len(self.cpu_sets.get(group, ())) or getattr(self.recipe.cluster, group).cpus_per_node
+        return threads_per_process(self.recipe, group, min(cores, os.cpu_count() or 1))
 
     def _engine_set(self):
+        from relax_core.controller.colocate import handover_sources, shares_gpus
         from relax_core.controller.engines import EngineSet, EngineSpec
 
         ro = self.recipe.rollout
@@ -123,9 +121,11 @@ class Job:
         group = rollout_group_name(self.recipe)
         spec = EngineSpec(str(self.model_dir), str(self.run.logs), self.run.secret(ENGINE_KEY), self._threads(group),
                           self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group),
-                          trust_remote_code=setup.trust_remote_code(self.recipe))
+                          trust_remote_code=setup.trust_remote_code(self.recipe), engine=ro.engine,
+                          engine_args=dict(ro.engine_args))
         return EngineSet(self._ray, spec, bucket_bytes=int(self.recipe.train.weight_sync_bucket_mb * 2**20),
-                         router=self._router())
+                         slots=self.slots, router=self._router(),
+                         sources_of=partial(handover_sources, self.recipe) if shares_gpus(self.recipe) else None)
 
     def _router(self):
         """The router in front of the engines, when the recipe asks for one (`rollout.router`)."""
@@ -139,17 +139,20 @@ class Job:
 
     def _start_trainers(self) -> list:
         world = self.recipe.train_ranks
-        gpus = 1 if self.recipe.cluster.train.gpus_per_node else 0
         # Four threads (asynchronous modes): while a step trains, rank 0 broadcasts the weights of the
         # one before to the engines and hands them to the actor-forward worker, and every rank reads
         # the next step's rows from TransferQueue.
-        actor = self._ray.remote(num_cpus=0, num_gpus=gpus, resources={TRAIN_RESOURCE: 1},
-                                 max_concurrency=4)(TrainerWorker)
-        self.trainers = [actor.remote(r, world) for r in range(world)]
+        actor = self._ray.remote(max_concurrency=4)(TrainerWorker)
+        self.trainers = [actor.options(**self.slots.trainer_options(r)).remote(r, world) for r in range(world)]
         self.engines.trainer0 = self.trainers[0]
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
         config = setup.trainer_config(self.recipe)
-        return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"))
+        from relax_core.controller.colocate import shares_gpus
+
+        # On shared GPUs every rank hands its own gathered buckets over (weights/ipc.py): no whole copy kept.
+        keep_live = not shares_gpus(self.recipe)
+        return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"),
+                               keep_live)
                 for t in self.trainers]
 
     def _connect(self) -> None:
@@ -214,8 +217,12 @@ class Job:
         return results[0]["metrics"] | {"fetch_s": fetch}, ids, versions
 
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
-        """Broadcast to every engine: the live weights as `version`, or (None) the newest snapshot."""
-        stats = self._ray.get(self.trainers[0].sync_weights.remote(version))
+        """Broadcast to every engine (engines on the trainer ranks' GPUs: hand over by reference) the live
+        weights as `version`, or (None) the newest snapshot."""
+        if self.engines.hands_over:  # engines on the trainer ranks' GPUs: every rank hands its part over
+            stats = self._ray.get([t.hand_over_weights.remote(version) for t in self.trainers])[0]
+        else:
+            stats = self._ray.get(self.trainers[0].sync_weights.remote(version))
         self.policy_version = int(stats.get("sync_version", version or 0))
         return stats
 
@@ -284,6 +291,8 @@ class Job:
             self.engines.stop()
         if getattr(self, "judges", None) is not None:
             self.judges.stop()
+        if self.slots is not None:  # its placement groups, once the actors in them have ended
+            self.slots.release()
         if hasattr(self, "rollout_manager"):
             self.rollout_manager.close(self.loop)
         if hasattr(self, "reward_hub"):

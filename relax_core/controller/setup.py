@@ -118,8 +118,19 @@ def trainer_config(recipe: Recipe):
         critic_service=critic_service(recipe),
         kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed,
         dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe),
-        **_teacher(algo), **_critic(algo),
+        **_teacher(algo), **_critic(algo), **_torch_backend(recipe),
     )
+
+
+def _torch_backend(recipe: Recipe) -> dict:
+    """Device, sharding, recomputation and token budget of the torch backend (its own recipe fields)."""
+    train = recipe.train
+    if train.backend != "torch":
+        return {}
+    gpus = recipe.cluster.train.gpus_per_node > 0
+    return {"device": "cuda" if gpus else "cpu", "fsdp": train.fsdp if train.fsdp is not None else gpus,
+            "recompute_activations": train.recompute_activations,
+            "max_tokens_per_micro_batch": train.max_tokens_per_gpu}
 
 
 def _critic(algo) -> dict:

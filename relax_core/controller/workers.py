@@ -2,13 +2,14 @@
 
 `TrainerWorker` is one data-parallel rank of the torch backend (rank 0 also
 owns the weight broadcaster). `EngineWorker` starts one rollout engine server
-(the CPU engine here, SGLang on GPU nodes) as a child process, waits until it
-is healthy, and stops it by PID. Both are plain classes; the controller wraps
-them with `ray.remote` and places them with the `relax_train` /
-`relax_rollout` resources.
+(the CPU engine, or SGLang on the actor's GPUs) as a child process, waits until
+it is healthy, and stops its process group (`engine_process.py`). Both are
+plain classes; the controller wraps them with `ray.remote` and places them
+with the `relax_train` / `relax_rollout` resources.
 
-No port is chosen and then bound later by someone else: the engine server is
-handed a socket already listening on its port, the data-parallel rendezvous
+No port is chosen and then bound later by someone else: the CPU engine is
+handed a socket already listening on its port (SGLang, which cannot be, is
+restarted on a fresh port when its port was taken), the data-parallel rendezvous
 store and the weight-update group listen on port 0 and report the port the
 kernel gave them.
 """
@@ -16,13 +17,14 @@ kernel gave them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from relax_core.services.critic import RETURN_COLUMN, VALUE_COLUMN
 
 log = logging.getLogger(__name__)
 ENGINE_READY_TIMEOUT_S = 300.0
+SGLANG_READY_TIMEOUT_S = 1200.0  # loading a large model onto its GPUs and capturing CUDA graphs takes minutes
 RENDEZVOUS_TIMEOUT = 600  # seconds the data-parallel ranks wait for each other
 
 
@@ -70,10 +73,23 @@ def pin_process(cpus: list[int]) -> None:
             pass
 
 
-def collective_backend() -> str:
-    """gloo, also on a node with GPUs: the torch trainer and the cpu engine hold CPU tensors (GPU recipes are
-    refused by launch/preflight.py), which an NCCL group cannot carry. NCCL comes with the GPU backends."""
-    return "gloo"
+def collective_backend(device: str = "cpu") -> str:
+    """The trainers' group: NCCL between ranks on GPUs, gloo between ranks on CPU."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def trainer_device(config) -> str:
+    """`cuda` (the GPU Ray gave this actor, which CUDA_VISIBLE_DEVICES makes device 0) or `cpu`, as the
+    trainer config says; a GPU recipe on a node whose GPUs torch cannot see is an error naming them."""
+    if config.device != "cuda":
+        return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"cluster.train.gpus_per_node > 0, but torch sees no GPU on this node "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    torch.cuda.set_device(0)
+    return "cuda"
 
 
 class TrainerWorker:
@@ -85,6 +101,7 @@ class TrainerWorker:
         self.broadcaster = None
         self.trainer = None
         self.snapshot = None  # (version, [(name, tensor)]) taken after a step in the asynchronous modes
+        self.live = None  # sharded trainer, rank 0: the whole current weights (`_gather_live`)
         self.sent = None  # (version, tensors or None for the live weights) of the last broadcast
         self.store = None  # rank 0: the data-parallel group's rendezvous store, which it hosts
         self.bus = None  # TransferQueue, attached on the first step read from it (asynchronous modes)
@@ -114,7 +131,10 @@ class TrainerWorker:
         return dist.TCPStore(host, int(port), self.world_size, is_master=False,
                              timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
 
-    def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None) -> int:
+    def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None,
+              keep_live: bool = True) -> int:
+        """Join the group and load the model. `keep_live` (sharded): rank 0 keeps the whole weights after
+        every change (`_gather_live`); off where every rank hands its own buckets over instead."""
         import torch
         import torch.distributed as dist
 
@@ -123,12 +143,28 @@ class TrainerWorker:
         if cpus:
             pin_process(cpus)
         torch.set_num_threads(threads)
+        device = trainer_device(config)
         if self.world_size > 1:
-            dist.init_process_group(collective_backend(), store=self._rendezvous_store(master), rank=self.rank,
-                                    world_size=self.world_size)
+            dist.init_process_group(collective_backend(device), store=self._rendezvous_store(master),
+                                    rank=self.rank, world_size=self.world_size)
         self.model_dir = model_dir
-        self.trainer = TorchTrainer(model_dir, config)
+        self.keep_live = keep_live
+        self.trainer = TorchTrainer(model_dir, dataclasses.replace(config, device=device))
+        self._gather_live()
         return self.rank
+
+    def _gather_live(self) -> None:
+        """Sharded: gather the weights whole after every change (every rank takes part), rank 0 keeping
+        them, so what reads the live weights on rank 0 alone (weight sync, the actor-forward service,
+        an added engine's resend) needs no other rank. Unsharded, rank 0 reads its own parameters."""
+        if not (self.trainer.sharded and self.keep_live):
+            return
+        gathered = [(n, t.clone()) for n, t in self.trainer.named_parameters_for_sync()]
+        self.live = gathered if self.rank == 0 else None
+
+    def _live_weights(self):
+        """Rank 0: (name, tensor) of the current weights, full and in the compute dtype."""
+        return iter(self.live) if self.trainer.sharded else self.trainer.named_parameters_for_sync()
 
     def node_id(self) -> str:
         from relax_core.services.placement import node_id
@@ -141,9 +177,10 @@ class TrainerWorker:
         """One optimizer step. With `snapshot_version` (asynchronous modes, rank 0) the new weights are
         copied aside as that version, so `sync_weights` can broadcast them while the next step trains."""
         metrics = self.trainer.train_step(samples, advantages, ref_logprobs, old_logprobs, values)
+        self._gather_live()
         if snapshot_version is not None and self.rank == 0:
-            self.snapshot = (snapshot_version, [(n, t.detach().clone()) for n, t in
-                                                self.trainer.named_parameters_for_sync()])
+            copy = self.live if self.trainer.sharded else [(n, t.detach().clone()) for n, t in self._live_weights()]
+            self.snapshot = (snapshot_version, copy)
         return metrics
 
     def prefetch(self, meta, fields: tuple[str, ...], step: int) -> None:
@@ -203,18 +240,41 @@ class TrainerWorker:
         if version is None and self.snapshot is not None:
             return self.snapshot
         version = self.trainer.step if version is None else version
-        return version, [(n, t.detach().clone()) for n, t in self.trainer.named_parameters_for_sync()]
+        return version, [(n, t.detach().clone()) for n, t in self._live_weights()]
 
-    def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int) -> None:
-        """Rank 0: form the weight-update group with every engine."""
+    def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int, ranks_per_engine: int,
+                        backend: str, sources: dict[str, list[int]] | None = None) -> None:
+        """Rank 0: form the weight-update group with every engine (`ranks_per_engine`: each engine's TP
+        ranks; `backend`: "nccl" to engines on GPUs); with `sources` (engines on the trainer ranks' GPUs:
+        url -> the trainer rank on each of its GPUs), hand the weights over by reference instead
+        (weights/ipc.py, `hand_over_weights`)."""
         from relax_core.rollout.client import EngineClient
+        from relax_core.weights.ipc import TensorHandover
         from relax_core.weights.sync import WeightBroadcaster
 
         host = node_ip()
         self.api_key = api_key
         clients = [EngineClient(url, api_key=api_key) for url in urls]
-        self.broadcaster = WeightBroadcaster(clients, host, backend=collective_backend(), bucket_bytes=bucket_bytes)
+        if sources is not None:
+            self.broadcaster = TensorHandover(clients, host, bucket_bytes, ranks_per_engine, sources, rank=0,
+                                              world_size=self.world_size)
+        else:
+            self.broadcaster = WeightBroadcaster(clients, host, backend=backend, bucket_bytes=bucket_bytes,
+                                                 ranks_per_engine=ranks_per_engine)
         self.loop.run_until_complete(self.broadcaster.init())
+
+    def hand_over_weights(self, version: int) -> dict[str, float]:
+        """Every rank (engines on the trainer ranks' GPUs): the live weights, gathered bucket by bucket in
+        step, handed by each rank to the engine ranks on its GPU as `version`; rank 0 talks to the engines."""
+        from relax_core.weights.ipc import TensorHandover
+
+        if self.broadcaster is None:  # rank > 0: rank 0 tells it the engines' sources and the bucket size
+            self.broadcaster = TensorHandover([], node_ip(), rank=self.rank, world_size=self.world_size)
+        stats = self.loop.run_until_complete(self.broadcaster.broadcast(self.trainer.named_parameters_for_sync(),
+                                                                        version))
+        self.sent = (version, None)
+        return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
+                "sync_version": float(version)}
 
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Rank 0: broadcast weights to every engine. `version` given: the live weights as that version
@@ -229,7 +289,7 @@ class TrainerWorker:
         return self._broadcast(version, tensors)
 
     def _broadcast(self, version: int, tensors: list | None) -> dict[str, float]:
-        named = tensors if tensors is not None else self.trainer.named_parameters_for_sync()
+        named = tensors if tensors is not None else self._live_weights()
         stats = self.loop.run_until_complete(self.broadcaster.broadcast(named, version))
         return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
                 "sync_version": float(version)}
@@ -261,6 +321,7 @@ class TrainerWorker:
         state = {**self.trainer.state_dict(), "progress": {}}
         load_checkpoint(ckpt_dir, state)
         self.trainer.load_state_dict({k: v for k, v in state.items() if k != "progress"})
+        self._gather_live()
         return state["progress"]
 
     def close(self) -> None:
@@ -283,64 +344,64 @@ def _in_child(parent_pid: int, cpus: list[int] | None) -> None:
 
 
 class EngineWorker:
-    """Starts one engine server process and stops it by PID."""
+    """Starts one engine server on this actor's node (and GPUs) and stops it by its process group.
+
+    `engine`: "cpu" (Relax's own engine) or "sglang" (`sglang.launch_server` with `--tp-size tp_size` on
+    the GPUs Ray gave the actor, which CUDA_VISIBLE_DEVICES names, or on `gpus`: colocate on GPUs, the ids
+    of the trainer ranks' GPUs it shares, controller/gpu_slots.py); `engine_args`: the recipe's
+    `rollout.engine_args` (checked at submit); `python`: the interpreter that runs the server.
+    """
 
     def __init__(self, index: int, model_dir: str, log_path: str, api_key: str,
                  threads: int, seed: int, max_running_requests: int, cpus: list[int] | None = None,
-                 trust_remote_code: bool = False):
-        self.host = node_ip()  # bind to the cluster's interface only
-        sock = listening_socket(self.host)  # the engine serves on this very socket: its port stays ours
-        self.port = sock.getsockname()[1]
-        self.log_path = Path(log_path)
-        command = [
-            sys.executable, "-m", "relax_core.rollout.cpu_engine", "--model-path", model_dir, "--host", self.host,
-            "--port", str(self.port), "--fd", str(sock.fileno()), "--num-threads", str(threads),
-            "--seed", str(seed + index), "--max-running-requests", str(max_running_requests), "--weight-version", "0",
-        ] + (["--trust-remote-code"] if trust_remote_code else [])
+                 trust_remote_code: bool = False, *, engine: str = "cpu", engine_args: dict | None = None,
+                 tp_size: int = 1, python: str = sys.executable, gpus: list[str] | None = None):
+        from relax_core.controller.engine_process import EngineProcess
+
+        host = node_ip()  # bind to the cluster's interface only
+        self.ready_timeout_s = SGLANG_READY_TIMEOUT_S if engine == "sglang" else ENGINE_READY_TIMEOUT_S
         # The key travels in the environment, which other users cannot read (unlike the command line).
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key}
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         parent = os.getpid()
-        with self.log_path.open("ab") as log, sock:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         pass_fds=[sock.fileno()], start_new_session=True,
-                                         preexec_fn=lambda: _in_child(parent, cpus))
+        common = dict(model_dir=model_dir, host=host, seed=seed + index, max_running_requests=max_running_requests,
+                      trust_remote_code=trust_remote_code, python=python)
+        if engine == "sglang":
+            from relax_core.rollout.sglang_engine import INITIAL_WEIGHT_VERSION, server_command
+
+            sock = None
+            command = partial(server_command, tp_size=tp_size, weight_version=INITIAL_WEIGHT_VERSION,
+                              engine_args=engine_args or {}, **common)
+        else:
+            sock = listening_socket(host)  # the engine serves on this very socket: its port stays ours
+            command = partial(cpu_engine_command, fd=sock.fileno(), threads=threads, **common)
+        self.server = EngineProcess(f"engine {index}", host, Path(log_path), command, env,
+                                    preexec_fn=lambda: _in_child(parent, cpus), sock=sock)
+        self.server.start()
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return self.server.url
 
     def node_id(self) -> str:
         from relax_core.services.placement import node_id
 
         return node_id()
 
-    def wait_ready(self, timeout_s: float = ENGINE_READY_TIMEOUT_S) -> str:
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with code {self.proc.returncode}; see {self.log_path}:\n"
-                                   f"{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self.url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"engine not healthy after {timeout_s:.0f}s; see {self.log_path}")
-
-    def _log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+    def wait_ready(self, timeout_s: float | None = None) -> str:
+        """The engine's URL once it is healthy (`timeout_s`: default, the engine kind's own limit)."""
+        return self.server.wait_ready(timeout_s or self.ready_timeout_s)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.server.stop()
+
+
+def cpu_engine_command(*, python: str, model_dir: str, host: str, port: int, fd: int, threads: int, seed: int,
+                       max_running_requests: int, trust_remote_code: bool) -> list[str]:
+    """The argv of one CPU engine server (`fd`: its listening socket; the API key is in its environment)."""
+    return [
+        python, "-m", "relax_core.rollout.cpu_engine", "--model-path", model_dir, "--host", host,
+        "--port", str(port), "--fd", str(fd), "--num-threads", str(threads),
+        "--seed", str(seed), "--max-running-requests", str(max_running_requests), "--weight-version", "0",
+    ] + (["--trust-remote-code"] if trust_remote_code else [])

@@ -16,7 +16,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from relax_core.config.schema import Recipe
+from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.controller.driver import run_job, setup_logging
 from relax_core.controller.setup import prepare_model_dir
 from relax_core.launch.rundir import RunDir
@@ -59,8 +59,10 @@ def local_slots(recipe: Recipe) -> dict[str, float]:
     """The custom resources of the one local Ray node: every group's slots (as `cluster.node` gives a node)."""
     from relax_core.cluster.node import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
 
-    slots = {TRAIN_RESOURCE: recipe.train_ranks,
-             ROLLOUT_RESOURCE: recipe.rollout.num_engines * max(recipe.rollout.gpus_per_engine, 1)}
+    # GPU engines: the engines' group's GPUs, as a node of it declares them (their placement groups take
+    # them all, controller/gpu_slots.py); CPU engines: one slot each
+    engine_gpus = recipe.rollout.gpus_per_engine and getattr(recipe.cluster, rollout_group_name(recipe)).gpus_per_node
+    slots = {TRAIN_RESOURCE: recipe.train_ranks, ROLLOUT_RESOURCE: engine_gpus or recipe.rollout.num_engines}
     if recipe.reward.judge_engines:  # the judge's engines (reward.genrm), beside the rollout engines
         slots[JUDGE_RESOURCE] = recipe.reward.judge_engines
     if recipe.cluster.reference.nodes:  # one reference worker: the group's one node (LocalExecutor.problems)

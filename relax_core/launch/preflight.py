@@ -2,7 +2,8 @@
 
 The schema has already checked the recipe's shape; these check that the run
 can work on the executor it will use: this version of Relax has code for
-everything it asks for (`unavailable_features`), the names it uses exist, the
+everything it asks for (`unavailable_features`), its engines' GPUs fit its
+node groups (`plan.resource_problems`), the names it uses exist, the
 batch fits the model's context, and the executor has what it needs. Every
 problem is a `RecipeError` (exit code 2) that says what to change.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 from relax_core.config.checks import looks_like_hub_id, reference_problems
 from relax_core.config.schema import HFModel, Recipe, SyntheticData, TinyModel
 from relax_core.errors import RecipeError
+from relax_core.launch.plan import resource_problems
 from relax_core.models.tiny import TEMPLATE_CHARS
 
 # Chat-template tokens around one user turn with the tiny tokenizer (one token per
@@ -28,14 +30,16 @@ _MEGATRON_FIELDS = ("tensor_parallel", "pipeline_parallel", "context_parallel", 
 def preflight(recipe: Recipe, recipe_path: str | Path, executor) -> None:
     """Every check; `executor` (launch/executors.py) adds its own."""
     # What this version lacks comes first: it is refused on every executor, whatever else is wrong.
-    problems = unavailable_features(recipe) + reference_problems(recipe) + _reward_problems(recipe)
+    problems = unavailable_features(recipe) + resource_problems(recipe) + reference_problems(recipe)
+    problems += _memory_saver_problems(recipe) + _reward_problems(recipe)
     problems += _context_problems(recipe) + _tokenizer_problems(recipe) + _remote_code_problems(recipe)
     _raise_if(problems + executor.problems(recipe), recipe_path)
 
 
 def refuse_unavailable(recipe: Recipe, recipe_path: str | Path) -> None:
-    """`relax validate`: a recipe this version cannot run on any executor is an error there too."""
-    _raise_if(unavailable_features(recipe), recipe_path)
+    """`relax validate`: a recipe this version cannot run on any executor (or whose processes do not fit
+    its node groups) is an error there too."""
+    _raise_if(unavailable_features(recipe) + resource_problems(recipe) + _memory_saver_problems(recipe), recipe_path)
 
 
 def _raise_if(problems: list[str], recipe_path: str | Path) -> None:
@@ -117,27 +121,43 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     """What the recipe asks for that this version of Relax has no code for, one line per field.
 
     The one place such fields are refused (`relax submit` on every executor, `relax validate`);
-    the version that builds a backend deletes its line here.
+    the version that builds a backend deletes its line here. `rollout.engine_args` is checked here too,
+    against the arguments of the SGLang that would run them, so `relax validate` catches a wrong key.
     """
     problems = _engine_problems(recipe) + _multimodal_problems(recipe)
     if recipe.train.backend == "megatron":
         problems.append(f"train.backend: megatron (with {', '.join(_MEGATRON_FIELDS)}) {_NOT_YET}; "
                         "use train.backend=torch")
-    for group in ("train", "rollout", "reference"):
-        if getattr(recipe.cluster, group).gpus_per_node:
-            problems.append(f"cluster.{group}.gpus_per_node: running on GPUs {_NOT_YET} (the torch trainer, "
-                            "the cpu engine and the reference model run on CPU); set it to 0")
+    if recipe.cluster.reference.gpus_per_node:
+        problems.append(f"cluster.reference.gpus_per_node: the reference service on GPUs {_NOT_YET} (it runs "
+                        "on CPU); set it to 0, or leave cluster.reference out to compute the reference "
+                        "log-probs in the trainer's processes")
     return problems
 
 
 def _engine_problems(recipe: Recipe) -> list[str]:
-    ro, problems = recipe.rollout, []
-    if ro.engine == "sglang":
-        problems.append(f"rollout.engine: sglang {_NOT_YET}; use rollout.engine=cpu rollout.gpus_per_engine=0")
-    if ro.engine_args:
-        problems.append(f"rollout.engine_args: passed to SGLang engines only, and SGLang {_NOT_YET}; "
-                        "the cpu engine takes none, so leave it empty")
-    return problems
+    """`rollout.engine_args`: SGLang server arguments (checked against SGLang's own), none for the cpu engine."""
+    ro = recipe.rollout
+    if ro.engine == "cpu":
+        return ["rollout.engine_args: SGLang server arguments, and the cpu engine takes none; leave it empty "
+                "or use rollout.engine=sglang"] if ro.engine_args else []
+    from relax_core.rollout.sglang_engine import engine_args_problems
+
+    return engine_args_problems(ro.engine_args)
+
+
+def _memory_saver_problems(recipe: Recipe) -> list[str]:
+    """Colocate on GPUs: SGLang frees its memory for the trainer only with its memory saver on (without
+    it, a release answers 200 and frees nothing, and the trainer runs out of memory)."""
+    from relax_core.launch.plan import engines_share_train_gpus
+
+    if recipe.rollout.engine != "sglang" or not engines_share_train_gpus(recipe):
+        return []
+    if recipe.rollout.engine_args.get("enable_memory_saver") is True:
+        return []
+    return ["rollout.engine_args.enable_memory_saver: colocate on GPUs needs it true (the engines release their "
+            "GPU memory while the trainer runs); set it, or give the engines GPUs of their own "
+            "(mode=fully_async with a cluster.rollout group)"]
 
 
 def _multimodal_problems(recipe: Recipe) -> list[str]:

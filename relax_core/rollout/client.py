@@ -145,7 +145,7 @@ class EngineClient:
         return (await self._request("GET", "/get_model_info")).json()
 
     async def get_weight_version(self) -> str:
-        return str((await self._request("GET", "/get_weight_version")).json()["weight_version"])
+        return str((await self.get_model_info())["weight_version"])  # SGLang 0.5.23 has no /get_weight_version
 
     # ---- scheduling control ----
 
@@ -155,13 +155,13 @@ class EngineClient:
         return response.status_code == 200
 
     async def pause_generation(self, mode: str | None = None) -> dict[str, Any]:
-        """Pause; `mode` is "abort" (SGLang's default), "retract" or "in_place".
-        Without a mode no body is sent, which every SGLang version accepts."""
-        body = None if mode is None else {"mode": mode}
+        """Pause; `mode` is "abort" (SGLang's default), "retract" or "in_place". SGLang requires a body,
+        empty without a mode."""
+        body = {} if mode is None else {"mode": mode}
         return (await self._request("POST", "/pause_generation", json=body)).json()
 
     async def continue_generation(self) -> dict[str, Any]:
-        return (await self._request("POST", "/continue_generation")).json()
+        return (await self._request("POST", "/continue_generation", json={})).json()  # SGLang requires a body
 
     # ---- weight sync ----
 
@@ -211,6 +211,50 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         return await self._post_result("/update_weights_from_distributed", body)
 
+    async def begin_weight_update(self) -> bool:
+        """Open SGLang's weight-update session, which its `update_weights_from_*` calls need; False when
+        the engine has no sessions (an SGLang from before them answers 404): nothing to open or end."""
+        response = await self._http.post("/begin_weight_update", json={})
+        if response.status_code == 404:
+            return False
+        _check_result(self.base_url + "/begin_weight_update", response)
+        return True
+
+    async def end_weight_update(self) -> None:
+        """Close the session `begin_weight_update` opened (SGLang finalizes the loaded weights here)."""
+        _check_result(self.base_url + "/end_weight_update", await self._http.post("/end_weight_update", json={}))
+
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Load tensors handed over by reference (relax_core/weights/ipc.py), one payload per TP rank."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._post_result("/update_weights_from_tensor", body)
+
+    # ---- memory (colocate on shared GPUs; SGLang's --enable-memory-saver) ----
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Give back the memory of `tags` ("weights", "kv_cache", "cuda_graph"; None: all) until resumed;
+        the engine must be idle, and serves nothing meanwhile."""
+        await self._request("POST", "/release_memory_occupation", json={"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Allocate the memory of `tags` again (None: all). Resumed weights hold no model until the next
+        weight update (SGLang keeps no copy unless started with --enable-weights-cpu-backup)."""
+        await self._request("POST", "/resume_memory_occupation", json={"tags": tags})
+
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
         body = {"new_version": str(new_version), "abort_all_requests": abort_all_requests}
         return await self._post_json("/update_weight_version", body)
@@ -237,6 +281,14 @@ class EngineClient:
         if not result.get("success", False):
             raise EngineError(self.base_url + path, 200, result.get("message", ""))
         return result
+
+
+def _check_result(url: str, response: httpx.Response) -> None:
+    """Raise EngineError unless a `{"success", "message"}` answer says success."""
+    if response.status_code != 200:
+        raise EngineError(url, response.status_code, _error_message(response))
+    if not response.json().get("success", False):
+        raise EngineError(url, 200, response.json().get("message", ""))
 
 
 def _error_message(response: httpx.Response) -> str:

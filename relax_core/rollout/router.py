@@ -28,9 +28,9 @@ under the `cache_aware` policy until the load gap between engines exceeds
 both `--balance-abs-threshold` (64) and `--balance-rel-threshold` (1.5x).
 
 Drained: the router does not report a removed worker's in-flight requests,
-so `remove_engine` watches the engine itself: SGLang's `GET /get_load`
-(`num_reqs` per data-parallel rank, summed) until it reads 0 several times
-in a row.
+so `remove_engine` watches the engine itself: SGLang's `GET /v1/loads`
+(running and waiting requests per data-parallel rank, summed) until it reads
+0 several times in a row.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ DRAIN_POLL_S = 0.1
 # Consecutive idle readings before an engine counts as drained: covers a
 # request the router forwarded just before removal that is still on the wire.
 DRAIN_IDLE_READINGS = 5
+LOAD_KEYS = ("num_running_reqs", "num_waiting_reqs")  # what an engine holds, in SGLang's /v1/loads
 BIND_ATTEMPTS = 5  # fresh ports tried when another process took the picked ones first
 PORT_TAKEN = "Address already in use"
 
@@ -251,11 +252,10 @@ class Router:
 
 
 async def engine_in_flight(http: httpx.AsyncClient) -> int:
-    """Requests an engine holds now: SGLang's `/get_load` summed over data-parallel ranks."""
-    response = await http.get("/get_load")
-    _expect(response, (200,), "get_load")
-    loads = response.json()
-    return sum(int(item.get("num_reqs", 0)) for item in (loads if isinstance(loads, list) else [loads]))
+    """Requests an engine holds now: SGLang's `/v1/loads`, summed over data-parallel ranks."""
+    response = await http.get("/v1/loads", params={"include": "core"})
+    _expect(response, (200,), "loads")
+    return sum(int(load.get(key, 0)) for load in response.json()["loads"] for key in LOAD_KEYS)
 
 
 async def wait_drained(url: str, api_key: str, timeout_s: float) -> None:

@@ -44,15 +44,40 @@ def chunks(items: Sequence[T], size: int) -> list[list[T]]:
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
 
 
+def micro_bounds(samples: Sequence[Sample], size: int, max_tokens: int | None = None) -> list[int]:
+    """Start offsets of consecutive micro-batches, plus `len(samples)` at the end.
+
+    Each holds at most `size` samples and, with `max_tokens`, at most that many
+    prompt+response tokens (a longer sample goes alone): the token budget
+    of packed micro-batches (`pack(..., packed=True)`), where a batch of
+    short responses takes more samples per pass than one of long ones.
+    """
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    bounds, count, tokens = [0], 0, 0
+    for i, s in enumerate(samples):
+        length = len(s.prompt_ids) + s.response_len
+        if count and (count == size or (max_tokens is not None and tokens + length > max_tokens)):
+            bounds.append(i)
+            count, tokens = 0, 0
+        count, tokens = count + 1, tokens + length
+    if count:
+        bounds.append(len(samples))
+    return bounds
+
+
 @dataclass
 class MicroBatch:
     """One padded micro-batch; per-token fields are `[B, R]`, R = longest response.
 
     Attributes:
         input_ids / attention_mask / position_ids: `[B, L]` model inputs,
-            prompt+response right-padded to the longest sequence L.
+            prompt+response right-padded to the longest sequence L; packed,
+            `[1, T]`: the sequences one after another (T = their total
+            length), position ids restarting at 0 for each, no attention
+            mask (transformers then keeps each sequence to itself).
         logit_index: `[B, R]` position whose logits predict response token j
-            (prompt_len + j - 1).
+            (prompt_len + j - 1; packed, counted from the start of the row).
         response_ids: `[B, R]` response tokens (pad where j >= response_len).
         valid: `[B, R]` True where response token j exists.
         loss_mask: `[B, R]` float, 1 where the token exists and its
@@ -61,13 +86,22 @@ class MicroBatch:
     """
 
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
     position_ids: torch.Tensor
     logit_index: torch.Tensor
     response_ids: torch.Tensor
     valid: torch.Tensor
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
+    packed: bool = False
+
+    def at_logits(self, per_position: torch.Tensor) -> torch.Tensor:
+        """`[B, R, X]`: the rows of a `[B, L, X]` (packed: `[1, T, X]`) model output that predict
+        each response token."""
+        if self.packed:
+            return per_position[0][self.logit_index]
+        index = self.logit_index.unsqueeze(-1).expand(-1, -1, per_position.shape[-1])
+        return torch.gather(per_position, 1, index)
 
     @property
     def num_tokens(self) -> float:
@@ -80,49 +114,55 @@ class MicroBatch:
 
 
 def pack(
-    samples: Sequence[Sample], pad_id: int = 0, device: str | torch.device = "cpu"
+    samples: Sequence[Sample], pad_id: int = 0, device: str | torch.device = "cpu", *, packed: bool = False
 ) -> MicroBatch:
-    """Right-pad prompt+response of each sample into one micro-batch.
+    """Right-pad prompt+response of each sample into one micro-batch (`packed`: one row, no padding).
 
     Right padding keeps every real token at positions 0..len-1, so position
     ids are a plain arange and causal attention never looks at padding.
     """
+    for i, s in enumerate(samples):
+        _check_sample(s, i)
+    lengths = [len(s.prompt_ids) + s.response_len for s in samples]
+    sequences = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+    if packed:  # sample i starts where sample i-1 ended
+        starts = [sum(lengths[:i]) for i in range(len(samples))]
+        input_ids = torch.tensor([[t for seq in sequences for t in seq]], dtype=torch.long)
+        position_ids = torch.tensor([[j for n in lengths for j in range(n)]], dtype=torch.long)
+        attention_mask = None
+    else:  # sample i is row i
+        starts = [0] * len(samples)
+        seq_len = max(lengths + [1])
+        input_ids = torch.full((len(samples), seq_len), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(samples), seq_len), dtype=torch.long)
+        for i, seq in enumerate(sequences):
+            input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attention_mask[i, : len(seq)] = 1
+        position_ids = torch.arange(seq_len).unsqueeze(0).expand(len(samples), -1).contiguous()
+        attention_mask = attention_mask.to(device)
+    per_response = _response_fields(samples, starts, pad_id)
+    return MicroBatch(input_ids.to(device), attention_mask, position_ids.to(device),
+                      *(t.to(device) for t in per_response), packed=packed)
+
+
+def _response_fields(samples: Sequence[Sample], starts: list[int], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """`[B, R]` logit_index, response_ids, valid, loss_mask and rollout log-probs; `starts`: where each
+    sample's sequence begins in its row of the model input."""
     batch = len(samples)
-    seq_len = max([len(s.prompt_ids) + s.response_len for s in samples] + [1])
     resp_len = max([s.response_len for s in samples] + [0])
-    input_ids = torch.full((batch, seq_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, seq_len), dtype=torch.long)
     logit_index = torch.zeros((batch, resp_len), dtype=torch.long)
     response_ids = torch.full((batch, resp_len), pad_id, dtype=torch.long)
     valid = torch.zeros((batch, resp_len), dtype=torch.bool)
     loss_mask = torch.zeros((batch, resp_len), dtype=torch.float32)
     rollout = torch.zeros((batch, resp_len), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), s.response_len
-        _check_sample(s, i)
-        input_ids[i, : p + r] = torch.tensor(
-            list(s.prompt_ids) + list(s.response_ids), dtype=torch.long
-        )
-        attention_mask[i, : p + r] = 1
+    for i, (s, start) in enumerate(zip(samples, starts)):
+        p, r = start + len(s.prompt_ids), s.response_len
         logit_index[i, :r] = torch.arange(p - 1, p + r - 1)
         response_ids[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
         valid[i, :r] = True
         loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        rollout[i, :r] = torch.tensor(
-            s.rollout_logprobs or [0.0] * r, dtype=torch.float32
-        )
-    position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch, -1).contiguous()
-    tensors = (
-        input_ids,
-        attention_mask,
-        position_ids,
-        logit_index,
-        response_ids,
-        valid,
-        loss_mask,
-        rollout,
-    )
-    return MicroBatch(*(t.to(device) for t in tensors))
+        rollout[i, :r] = torch.tensor(s.rollout_logprobs or [0.0] * r, dtype=torch.float32)
+    return logit_index, response_ids, valid, loss_mask, rollout
 
 
 def _check_sample(s: Sample, index: int) -> None:
@@ -149,9 +189,7 @@ def response_logprobs(
     (float32) log-softmax, not the whole `[B, L]` sequence. The entropy is
     detached: it is a diagnostic, never part of the loss here.
     """
-    vocab = logits.shape[-1]
-    index = mb.logit_index.unsqueeze(-1).expand(-1, -1, vocab)
-    rows = torch.gather(logits, 1, index).float()
+    rows = mb.at_logits(logits).float()
     logp_all = torch.log_softmax(rows, dim=-1)
     logp = torch.gather(logp_all, -1, mb.response_ids.unsqueeze(-1)).squeeze(-1)
     entropy = None

@@ -68,8 +68,14 @@ class TorchTrainerConfig:
         tis_cap: truncated importance sampling cap C for the rollout/trainer
             mismatch; None disables TIS.
         seed: torch seed set when the trainer is built.
-        dtype: parameter dtype, "float32" or "bfloat16" (log-softmax is always float32).
+        dtype: parameter dtype, "float32" or "bfloat16" (log-softmax is always float32); with
+            `fsdp` the compute dtype, the parameters being float32 master weights.
         device: torch device string ("cpu" here; "cuda" on a GPU node).
+        fsdp: shard the policy over the data-parallel ranks with FSDP2 (train/sharding.py).
+        recompute_activations: recompute each decoder layer's activations in the backward pass.
+        max_tokens_per_micro_batch: micro-batches hold at most this many tokens (and at most
+            `micro_batch_size` samples), packed into one row without padding; None: padded
+            micro-batches of `micro_batch_size` samples.
         trust_remote_code: let the policy, reference, teacher and critic models
             run the code their HF directories ship (`model.trust_remote_code`).
         num_threads: if set, `torch.set_num_threads` for this process. On a
@@ -113,5 +119,8 @@ class TorchTrainerConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "cpu"
+    fsdp: bool = False
+    recompute_activations: bool = False
+    max_tokens_per_micro_batch: int | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None

@@ -52,8 +52,7 @@ class ValueModel(torch.nn.Module):
         """`[B, R]` float32 values at the response positions."""
         hidden = self.body(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
                            position_ids=mb.position_ids, use_cache=False).last_hidden_state
-        index = mb.logit_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-        return self.head(torch.gather(hidden, 1, index)).squeeze(-1).float()
+        return self.head(mb.at_logits(hidden)).squeeze(-1).float()
 
 
 class Critic:

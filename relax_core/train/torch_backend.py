@@ -47,10 +47,11 @@ from relax_core.algorithms import registry
 from relax_core.algorithms.losses import tis_weight
 from relax_core.algorithms.specs import get_spec
 from relax_core.rollout.types import Sample
+from relax_core.train import sharding
 from relax_core.train.batching import (
     MicroBatch,
-    chunks,
     forward_logprobs,
+    micro_bounds,
     pack,
     shard_bounds,
 )
@@ -87,6 +88,7 @@ class _Mini:
     tokens: float
     seqs: float
     norm_len: float
+    passes: int = 0  # sharded: forward/backward passes every rank runs (the most micro-batches of any rank)
 
 
 @dataclass
@@ -154,7 +156,14 @@ class TorchTrainer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.group = process_group
-        self.model = load_causal_lm(model_path, cfg.dtype, cfg.device, cfg.trust_remote_code)
+        # Sharded, the parameters are the float32 master weights, gathered in `cfg.dtype` for compute.
+        self.model = load_causal_lm(model_path, "float32" if cfg.fsdp else cfg.dtype, cfg.device,
+                                    cfg.trust_remote_code)
+        if cfg.recompute_activations:
+            sharding.recompute_activations(self.model)
+        if cfg.fsdp:
+            sharding.ensure_process_group("nccl" if torch.device(cfg.device).type == "cuda" else "gloo")
+            sharding.shard_model(self.model, self.group, cfg.device, getattr(torch, cfg.dtype))
         self.ref_model = None
         # With a reference service (fully_async) the reference log-probs come with the samples instead.
         if (cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward) and not cfg.reference_service:
@@ -211,8 +220,16 @@ class TorchTrainer:
         return dist.get_world_size(self.group) if self.distributed else 1
 
     def _all_reduce(self, tensor: torch.Tensor, op=None) -> torch.Tensor:
+        """In place, over the ranks; a CPU tensor (a metric sum, a count) travels through the device when the
+        group is NCCL's."""
         if self.distributed and self.world_size > 1:
-            dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group)
+            op = op or dist.ReduceOp.SUM
+            if tensor.device.type == "cpu" and dist.get_backend(self.group) == "nccl":
+                moved = tensor.to(self.config.device)
+                dist.all_reduce(moved, op=op, group=self.group)
+                tensor.copy_(moved)
+            else:
+                dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
 
     def _all_gather(self, obj: object) -> list:
@@ -224,17 +241,45 @@ class TorchTrainer:
 
     # ------------------------------------------------------------- log-probs
     def _pack(self, samples: Sequence[Sample]) -> MicroBatch:
-        return pack(samples, self.pad_id, self.config.device)
+        return pack(samples, self.pad_id, self.config.device, packed=self.config.max_tokens_per_micro_batch is not None)
+
+    def _micro_bounds(self, samples: Sequence[Sample]) -> list[int]:
+        cfg = self.config
+        return micro_bounds(samples, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Log-prob (temperature 1) of every response token of every sample, under the current policy."""
+        """Log-prob (temperature 1) of every response token of every sample, under the current policy.
+        Sharded, every rank calls it (with its own samples)."""
         result: list[list[float]] = []
-        for part in chunks(samples, self.config.micro_batch_size):
-            mb = self._pack(part)
+        bounds = self._micro_bounds(samples)
+        for a, b in zip(bounds, bounds[1:]):
+            mb = self._pack(samples[a:b])
             logp, _ = forward_logprobs(self.model, mb)
             result.extend(mb.response_lists(logp))
+        for _ in range(self._passes([len(bounds) - 1])[0] - (len(bounds) - 1)):
+            self._idle_pass(backward=False)
         return result
+
+    # ------------------------------------------------------------ sharded
+    @property
+    def sharded(self) -> bool:
+        return self.config.fsdp
+
+    def _passes(self, counts: list[int]) -> list[int]:
+        """Sharded: the most micro-batches any rank has in each mini-batch (every rank runs that many)."""
+        if not self.sharded:
+            return counts
+        most = self._all_reduce(torch.tensor(counts, dtype=torch.float64), dist.ReduceOp.MAX)
+        return [int(n) for n in most.tolist()]
+
+    def _idle_pass(self, *, backward: bool) -> None:
+        """A pass over a one-token batch that learns nothing (zero gradient), so this rank joins the
+        all-gathers and reduce-scatters of a pass the other ranks run on real micro-batches."""
+        idle = Sample(prompt_ids=[self.pad_id], response_ids=[self.pad_id], rollout_logprobs=[0.0], loss_mask=[0])
+        logp, _ = forward_logprobs(self.model, self._pack([idle]))
+        if backward:
+            (logp.sum() * 0.0).backward()
 
     # ------------------------------------------------------------ train step
     def train_step(
@@ -306,9 +351,11 @@ class TorchTrainer:
         def cut(rows):
             return [rows[a:b] if rows is not None else None for a, b in zip(bounds, bounds[1:])]
 
-        micro_lists = [self._prepare(*args) for args in zip(parts, cut(ref_logprobs), cut(old_logprobs), cut(values))]
+        passes = self._passes([len(self._micro_bounds(part)) - 1 for part in parts])
+        micro_lists = [self._prepare(*args) for args in
+                       zip(parts, cut(ref_logprobs), cut(old_logprobs), cut(values), passes)]
         step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
-        minis = [self._normalisers(ms, part) for ms, part in zip(micro_lists, parts)]
+        minis = [self._normalisers(ms, part, n) for ms, part, n in zip(micro_lists, parts, passes)]
         return [mini for mini in minis if mini.seqs > 0], step_info
 
     @property
@@ -397,36 +444,39 @@ class TorchTrainer:
     @torch.no_grad()
     def _prepare(self, samples: Sequence[Sample], ref_rows: Sequence[Sequence[float]] | None = None,
                  old_rows: Sequence[Sequence[float]] | None = None,
-                 value_rows: Sequence[Sequence[float]] | None = None) -> list[_Micro]:
+                 value_rows: Sequence[Sequence[float]] | None = None, passes: int = 0) -> list[_Micro]:
         """Pack one mini-batch and compute logp_old (when needed), logp_ref and the critic's values per
         micro-batch (`ref_rows`, `old_rows`, `value_rows`: the reference, actor-forward and critic
         services' numbers for these samples, instead of a forward here)."""
         cfg = self.config
         micros = []
-        size = cfg.micro_batch_size
+        bounds = self._micro_bounds(samples)
+        policy_forward = self._recomputes_logp_old and old_rows is None
 
-        def given(rows, index: int, mb: MicroBatch) -> torch.Tensor:
-            return pad_rows([list(r) for r in rows[index * size:(index + 1) * size]],
-                            mb.loss_mask.shape[1]).to(cfg.device)
+        def given(rows, a: int, b: int, mb: MicroBatch) -> torch.Tensor:
+            return pad_rows([list(r) for r in rows[a:b]], mb.loss_mask.shape[1]).to(cfg.device)
 
-        for index, part in enumerate(chunks(samples, size) if samples else []):
-            mb = self._pack(part)
+        for a, b in zip(bounds, bounds[1:]):
+            mb = self._pack(samples[a:b])
             logp_old = None
             if self._recomputes_logp_old:
-                logp_old = given(old_rows, index, mb) if old_rows is not None else forward_logprobs(self.model, mb)[0]
+                logp_old = given(old_rows, a, b, mb) if old_rows is not None else forward_logprobs(self.model, mb)[0]
             if ref_rows is not None:
-                logp_ref = given(ref_rows, index, mb)
+                logp_ref = given(ref_rows, a, b, mb)
             else:
                 logp_ref = forward_logprobs(self.ref_model, mb)[0] if self.ref_model is not None else None
             logp_teacher = forward_logprobs(self.teacher, mb)[0] if self.teacher is not None else None
             if value_rows is not None:
-                values = given(value_rows, index, mb)
+                values = given(value_rows, a, b, mb)
             else:
                 values = self.critic.values(mb) if self.critic is not None else None
             micros.append(_Micro(mb, logp_old, logp_ref, logp_teacher, values))
+        if self.sharded and policy_forward:
+            for _ in range(passes - len(micros)):
+                self._idle_pass(backward=False)
         return micros
 
-    def _normalisers(self, micros: list[_Micro], samples: Sequence[Sample]) -> _Mini:
+    def _normalisers(self, micros: list[_Micro], samples: Sequence[Sample], passes: int = 0) -> _Mini:
         """The mini-batch's step-global token count (kept tokens for M2PO), sequence count and norm_len."""
         cfg = self.config
         tokens = sum(float((m.mb.loss_mask * (m.keep if m.keep is not None else 1.0)).sum()) for m in micros)
@@ -435,7 +485,7 @@ class TorchTrainer:
         self._all_reduce(counts)
         self._all_reduce(max_len, dist.ReduceOp.MAX)
         norm_len = float(cfg.norm_len) if cfg.norm_len else float(max_len)
-        return _Mini(micros, float(counts[0]), float(counts[1]), norm_len)
+        return _Mini(micros, float(counts[0]), float(counts[1]), norm_len, passes)
 
     def _update(self, mini: _Mini) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Accumulate gradients over the micro-batches, all-reduce, clip, step.
@@ -451,11 +501,18 @@ class TorchTrainer:
             loss.backward()
             sums += parts
             torch.maximum(extremes, micro_extremes, out=extremes)
-        self._all_reduce_grads()
+        if self.sharded:  # FSDP reduce-scattered (summed) each backward's gradients
+            for _ in range(mini.passes - len(mini.micros)):
+                self._idle_pass(backward=True)
+        else:
+            self._all_reduce_grads()
         self._all_reduce(sums)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        if self.sharded:
+            grad_norm = sharding.clip_grad_norm(params, max_norm, self.group)
+        else:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer.step()
         return sums, extremes, grad_norm
 
@@ -562,16 +619,31 @@ class TorchTrainer:
         """(HF parameter name, detached tensor) for every parameter, as the engine loads them.
 
         Names are the model's own `named_parameters()` names, i.e. the keys of
-        the HF safetensors checkpoint (tied weights appear once).
+        the HF safetensors checkpoint (tied weights appear once). Sharded,
+        each is gathered whole (one parameter at a time, so a bucket of them
+        is all that is ever held besides the shards) and cast to the compute
+        dtype; every rank must then iterate it, in step.
         """
+        dtype = getattr(torch, self.config.dtype)
         for name, param in self.model.named_parameters():
-            yield name, param.detach()
+            yield name, sharding.full(param.detach()).to(dtype)
 
     def state_dict(self) -> dict:
-        """Model, optimizer and scheduler state plus the step counter (for checkpointing)."""
+        """Model, optimizer and scheduler state plus the step counter (for checkpointing).
+
+        Sharded, model and optimizer state are this rank's shards (DTensors, which the checkpoint
+        saves as one tensor each) and the optimizer's are keyed by parameter name (torch's
+        `get_state_dict`, which also gives a fresh optimizer its moments, to be loaded into).
+        """
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model, optimizer = get_state_dict(self.model, self.optimizer)
+        else:
+            model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "step": self.step,
             **({"critic": self.critic.state_dict()} if self.critic is not None else {}),
@@ -579,10 +651,16 @@ class TorchTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned (any subset of its keys)."""
-        if "model" in state:
-            self.model.load_state_dict(state["model"])
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded and ("model" in state or "optimizer" in state):
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=state.get("model", {}),
+                           optim_state_dict=state.get("optimizer", {}))
+        else:
+            if "model" in state:
+                self.model.load_state_dict(state["model"])
+            if "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if "critic" in state and self.critic is not None:

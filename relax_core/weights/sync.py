@@ -6,9 +6,11 @@ Hugging Face names (the Megatron backend gathers and converts them first). A
 (`process_group.py`; gloo on CPU, NCCL on GPU) in which it is rank 0 and the
 engines are ranks 1..N, using SGLang's protocol:
 
+    POST /begin_weight_update to every engine (SGLang's weight-update session)
     per bucket:  POST /update_weights_from_distributed {names, dtypes, shapes}
                  to every engine (concurrently)  ||  broadcast each tensor
                  of the bucket from rank 0, in the order of `names`
+    POST /end_weight_update
 
 Buckets bound the memory in flight and let the HTTP round trip of one bucket
 overlap the broadcasts. Only the last bucket carries the new
@@ -141,11 +143,13 @@ class WeightBroadcaster:
             raise RuntimeError("call init() first")
         start = time.perf_counter()
         stats = BroadcastStats(version, 0, 0, 0, 0.0)
+        opened = await asyncio.gather(*(c.begin_weight_update() for c in self.clients))
         for bucket, is_last in _with_last(iter_buckets(named_tensors, self.bucket_bytes)):
             await self._send_bucket(bucket, str(version) if is_last else None)
             stats.num_buckets += 1
             stats.num_tensors += len(bucket)
             stats.total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        await asyncio.gather(*(c.end_weight_update() for c, was in zip(self.clients, opened) if was))
         stats.seconds = time.perf_counter() - start
         return stats
 

@@ -58,7 +58,7 @@ def test_the_math_recipe_is_refused_by_a_slurm_that_answers(slurm_cluster, tmp_p
     proc = relax("submit", str(REPO / "recipes" / "math_dapo_qwen3_4b.yaml"), "--executor", "slurm", "--dry-run",
                  f"cluster.slurm.partition={slurm_cluster.gpu_partition}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "rollout.engine: sglang is not available in this version of Relax" in proc.stderr
+    assert "train.backend: megatron" in proc.stderr and "not available in this version of Relax" in proc.stderr
     assert "not on PATH" not in proc.stderr  # Slurm is there: only what this version lacks is named
     assert list(tmp_path.iterdir()) == []
     assert slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split() == before

@@ -251,6 +251,8 @@ def test_dry_run_prints_the_script_and_submits_nothing(slurm_cluster, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "#SBATCH hetjob" in proc.stdout and str(tmp_path / "r") in proc.stdout
     assert (tmp_path / "r" / "job.sbatch").read_text() in proc.stdout
+    assert "plan: colocate on the slurm executor (het group 0: train, 1: rollout)" in proc.stdout
+    assert "rollout[0]" in next(line for line in proc.stdout.splitlines() if line.endswith("engine 0 (cpu)"))
     assert "job_id" not in json.loads((tmp_path / "r" / "run.json").read_text())
 
 

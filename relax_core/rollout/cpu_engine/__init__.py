@@ -14,6 +14,7 @@ Modules: `protocol` (request models), `generate` (request <-> scheduler
 sequences <-> response), `sampling` (next-token sampling and log-probs),
 `kv_batch` (the padded running batch and its KV cache), `batcher` (the
 continuous-batching scheduler thread), `weight_loader` (receiving weights over
-torch.distributed), `server` (the HTTP layer), `__main__` (the command line).
+torch.distributed or by reference), `memory` (releasing and resuming memory,
+colocate), `server` (the HTTP layer), `__main__` (the command line).
 Nothing heavy is imported here.
 """

@@ -1,7 +1,7 @@
 """Command line of the CPU engine (flags named like `sglang.launch_server`'s).
 
     python -m relax_core.rollout.cpu_engine --model-path DIR --host 127.0.0.1 --port 30000 \
-        [--api-key TOKEN] [--max-running-requests N] [--seed S] [--trust-remote-code]
+        [--api-key TOKEN] [--max-running-requests N] [--seed S] [--trust-remote-code] [--enable-memory-saver]
 
 Loads the model, then serves; prints `READY_PREFIX ...` once it accepts
 connections (the launcher in `relax_core.cluster` and the tests wait for
@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default", help="initial weight version reported")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--trust-remote-code", action="store_true", help="run the code the model directory ships")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="allow /release_memory_occupation and /resume_memory_occupation (colocate)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         weight_version=args.weight_version,
         trust_remote_code=args.trust_remote_code,
+        enable_memory_saver=args.enable_memory_saver,
     )
     app = create_app(state, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -199,3 +199,56 @@ class AbortReq(BaseModel):
 
     rid: str | None = None
     abort_all: bool = False
+
+
+# SGLang's memory tags (`sglang.srt.constants.GPU_MEMORY_ALL_TYPES`); no tags means all of them.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+class ReleaseMemoryOccupationReqInput(BaseModel):
+    """Body of `POST /release_memory_occupation` (optional)."""
+
+    model_config = ConfigDict(extra="forbid")  # a field SGLang does not have is the caller's mistake
+
+    tags: list[Literal["kv_cache", "weights", "cuda_graph"]] | None = None
+
+    @property
+    def tag_set(self) -> frozenset[str]:
+        return frozenset(self.tags or MEMORY_TAGS)
+
+
+class ResumeMemoryOccupationReqInput(ReleaseMemoryOccupationReqInput):
+    """Body of `POST /resume_memory_occupation` (optional)."""
+
+
+class UpdateWeightsFromTensorReqInput(BaseModel):
+    """Body of `POST /update_weights_from_tensor`.
+
+    `serialized_named_tensors` holds one base64 payload per TP rank (this
+    engine has one rank and reads entry 0), each a pickle of
+    `[(name, tensor), ...]` whose tensors are handles to the sender's memory
+    (`relax_core.weights.ipc`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: Literal["direct"] | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "all"] = "all"  # "draft": this engine has no draft model
+    torch_empty_cache: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_as_str(cls, v: Any) -> Any:
+        return None if v is None else str(v)
+
+
+class BeginWeightUpdateReqInput(BaseModel):
+    """Body of `POST /begin_weight_update` (SGLang's weight-update session)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    selector: Literal["target", "all"] = "all"

@@ -11,6 +11,12 @@ endpoints answer `{"success": bool, "message": str}`.
 Pause semantics (SGLang's): while paused, new `/generate` requests wait until
 `/continue_generation`; in-flight ones are aborted (mode "abort", the
 default) or kept and resumed (modes "in_place" / "retract").
+
+Colocate on shared GPUs (`memory.py`, `relax_core.weights.ipc`):
+`/release_memory_occupation` and `/resume_memory_occupation` free and
+reallocate the weights and KV cache (`--enable-memory-saver`), and
+`/update_weights_from_tensor` loads tensors another process handed over by
+reference, inside a `/begin_weight_update` ... `/end_weight_update` session.
 """
 
 from __future__ import annotations
@@ -27,17 +33,23 @@ from pydantic import ValidationError
 
 from relax_core.rollout.cpu_engine.batcher import Batcher, Sequence
 from relax_core.rollout.cpu_engine.generate import ModelLimits, build_response, build_sequences
+from relax_core.rollout.cpu_engine.memory import MemoryReleased, MemorySaver
 from relax_core.rollout.cpu_engine.protocol import (
     AbortReq,
+    BeginWeightUpdateReqInput,
     DestroyWeightsUpdateGroupReqInput,
     GenerateReqInput,
     InitWeightsUpdateGroupReqInput,
     PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
     UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTensorReqInput,
 )
 from relax_core.rollout.cpu_engine.weight_loader import WeightLoader, parse_dtype
 
 HEALTH_CHECK_TIMEOUT_S = 20.0
+WEIGHTS_RELEASED = "The weights are released; resume them first: /resume_memory_occupation with tags ['weights']."
 
 try:  # SGLang answers with orjson; fall back to the standard library
     import orjson
@@ -71,10 +83,12 @@ class EngineState:
     batcher: Batcher
     limits: ModelLimits
     loader: WeightLoader
+    memory: MemorySaver
     weight_version: str = "default"
+    update_session: bool = False  # between /begin_weight_update and /end_weight_update
     groups: dict[str, Any] = field(default_factory=dict)
     # /generate items accepted and not yet answered (waiting for a resume,
-    # queued or decoding): what `/get_load` reports, so a router can tell
+    # queued or decoding): what `/get_load` and `/v1/loads` report, so a router can tell
     # when an engine it stopped routing to has drained.
     in_flight: int = 0
     # Set = not paused. (asyncio.Event binds to the running loop on first use.)
@@ -94,6 +108,8 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
     _add_generate_routes(app, state)
     _add_control_routes(app, state)
     _add_weight_routes(app, state)
+    _add_tensor_routes(app, state)
+    _add_memory_routes(app, state)
     return app
 
 
@@ -151,13 +167,16 @@ def _add_info_routes(app: FastAPI, state: EngineState) -> None:
             }
         )
 
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> Response:
-        return json_response({"weight_version": state.weight_version})
-
     @app.get("/get_load")
-    async def get_load() -> Response:
+    async def get_load() -> Response:  # what sglang-router 0.3.2 asks each worker
         return json_response([_load(state)])
+
+    @app.get("/v1/loads")
+    async def loads() -> Response:  # SGLang's own load report (the `core` section), read by relax's drain check
+        load = _load(state)
+        running = load["num_reqs"] - load["num_waiting_reqs"]
+        return json_response({"loads": [{"dp_rank": 0, "num_running_reqs": running,
+                                         "num_waiting_reqs": load["num_waiting_reqs"]}]})
 
 
 def _load(state: EngineState) -> dict[str, int]:
@@ -190,6 +209,8 @@ def _add_generate_routes(app: FastAPI, state: EngineState) -> None:
             outputs = await _run_generate(state, req)
         except ValueError as exc:
             return error_response(str(exc))
+        except MemoryReleased as exc:
+            return error_response(str(exc), 503)
         finally:
             state.in_flight -= items
         return json_response(outputs if req.is_batch else outputs[0])
@@ -203,6 +224,7 @@ def _num_items(req: GenerateReqInput) -> int:
 async def _run_generate(state: EngineState, req: GenerateReqInput) -> list[dict[str, Any]]:
     """Submit every item of `req` and wait for all; no await before submit, so a
     pause that starts later always sees these sequences in the scheduler."""
+    state.memory.check_serving()
     loop = asyncio.get_running_loop()
     seqs, params, logprob_flags = build_sequences(req, state.tokenizer, state.batcher, state.limits)
     futures = [loop.create_future() for _ in seqs]
@@ -339,6 +361,11 @@ async def _update_weights(state: EngineState, obj: UpdateWeightsFromDistributedR
     group = state.groups.get(obj.group_name)
     if group is None:
         return False, f"No weight update group named {obj.group_name!r}; call /init_weights_update_group."
+    if not state.update_session:  # as SGLang 0.5.23: every update_weights_from_* inside a session
+        return False, ("update_weights_from_distributed must run between begin_weight_update() and "
+                       "end_weight_update()")
+    if "weights" in state.memory.released:
+        return False, WEIGHTS_RELEASED
     try:
         for dtype in obj.dtypes:
             parse_dtype(dtype)
@@ -353,8 +380,88 @@ async def _update_weights(state: EngineState, obj: UpdateWeightsFromDistributedR
     return True, "Succeeded to update parameter online."
 
 
+def _add_tensor_routes(app: FastAPI, state: EngineState) -> None:
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(obj: BeginWeightUpdateReqInput) -> Response:
+        if state.update_session:
+            return result_response(False, "a weight-update session is already open; call end_weight_update() first")
+        state.update_session = True
+        return result_response(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update() -> Response:
+        if not state.update_session:
+            return result_response(False, "no weight-update session is open; call begin_weight_update() first")
+        state.update_session = False
+        return result_response(True, "Success")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput) -> Response:
+        ok, message = await _update_from_tensor(state, obj)
+        if ok and obj.weight_version is not None:
+            state.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+        return result_response(ok, message)
+
+
+async def _update_from_tensor(state: EngineState, obj: UpdateWeightsFromTensorReqInput) -> tuple[bool, str]:
+    """Load this rank's payload (entry 0: one TP rank) on the scheduler thread; SGLang's checks and messages."""
+    from relax_core.weights.ipc import deserialize_named_tensors
+
+    if not state.update_session:
+        return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+    if "weights" in state.memory.released:
+        return False, WEIGHTS_RELEASED
+    if obj.abort_all_requests:
+        await _on_scheduler(state, lambda b: b.abort())
+
+    def load(batcher: Batcher) -> bool:
+        state.loader.load(deserialize_named_tensors(obj.serialized_named_tensors[0]))
+        return batcher.is_idle()
+
+    try:
+        idle = await _on_scheduler(state, load)
+    except Exception as exc:  # noqa: BLE001 - reported to the caller like SGLang does
+        return False, f"Failed to update parameter online: {exc}"
+    if obj.flush_cache and not idle:
+        return False, ("Weights were updated, but the cache was not flushed because requests are still running or "
+                       "queued. Retract or finish them, then call /flush_cache.")
+    return True, "Success"
+
+
+def _add_memory_routes(app: FastAPI, state: EngineState) -> None:
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request) -> Response:
+        try:
+            tags = ReleaseMemoryOccupationReqInput.model_validate_json(await request.body() or b"{}").tag_set
+        except ValidationError as exc:
+            return error_response(str(exc))
+        if problem := state.memory.problem(tags, resume=False):
+            return error_response(problem)
+        added = tags - state.memory.released
+        state.memory.released |= added  # from here on no request is admitted
+        try:
+            await _on_scheduler(state, lambda b: state.memory.release(b, added))
+        except RuntimeError as exc:
+            state.memory.released -= added
+            return error_response(str(exc))
+        return json_response(None)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request) -> Response:
+        try:
+            tags = ResumeMemoryOccupationReqInput.model_validate_json(await request.body() or b"{}").tag_set
+        except ValidationError as exc:
+            return error_response(str(exc))
+        if problem := state.memory.problem(tags, resume=True):
+            return error_response(problem)
+        await _on_scheduler(state, lambda b: state.memory.resume(tags))
+        state.memory.released -= tags
+        return json_response(None)
+
+
 def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: int, weight_version: str,
-                      trust_remote_code: bool = False) -> EngineState:
+                      trust_remote_code: bool = False, enable_memory_saver: bool = False) -> EngineState:
     """Load model and tokenizer and start the scheduler thread."""
     import os
 
@@ -380,7 +487,8 @@ def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: in
         vocab_size=model.config.vocab_size,
         eos_ids=_eos_ids(model, tokenizer),
     )
-    return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), weight_version)
+    memory = MemorySaver(model, enable_memory_saver)
+    return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), memory, weight_version)
 
 
 def _check_full_attention(config) -> None:

@@ -6,6 +6,8 @@ broadcasts one tensor per name in that order. `WeightLoader.receive` posts the
 matching `torch.distributed.broadcast(src=0)` calls, exactly as SGLang's model
 runner does, and copies the tensors into the model. It runs on the scheduler
 thread (`Batcher.call`), so no forward pass sees half-updated weights.
+`WeightLoader.load` does the copying, also for tensors handed over by
+reference (`/update_weights_from_tensor`, `relax_core.weights.ipc`).
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ class WeightLoader:
         All broadcasts are received even when a name is unknown, so the
         trainer never hangs on an engine that rejects part of an update.
         """
-        received = [self._receive_one(group, *spec) for spec in zip(names, dtypes, shapes)]
-        problems = [msg for msg in (self._load(name, t) for name, t in received) if msg]
+        self.load([self._receive_one(group, *spec) for spec in zip(names, dtypes, shapes)])
+
+    def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the model by name (also those handed over by reference,
+        `/update_weights_from_tensor`); raises ValueError on a mismatch, after loading the rest."""
+        problems = [msg for msg in (self._load(name, t) for name, t in named) if msg]
         if problems:
             raise ValueError("; ".join(problems))
 

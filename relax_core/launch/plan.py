@@ -1,0 +1,354 @@
+"""The plan of a run: which node group and which GPUs (or cores) run which process, and whether they fit.
+
+    layout    trainer_gpu, engine_slot_gpus   which GPU of which node a trainer rank / an engine gets
+              (controller/gpu_slots.py makes Ray keep to it; this module only computes it)
+    check     resource_problems               a recipe never asks for more GPUs than its groups have
+    show      plan_lines                      `relax validate` and `relax submit --dry-run` print it
+
+The rules, one node group at a time:
+
+    trainer ranks   cluster.train.nodes x gpus_per_node, one per GPU (on CPU: x train.cpu_ranks_per_node)
+    engines         on the rollout group, or (colocate without one) on the train group's GPUs, time-shared
+                    with the trainer ranks (an engine releases its memory while they train); an engine's
+                    rollout.gpus_per_engine GPUs (its tensor-parallel ranks) are on one node, so a node of
+                    G GPUs holds G // gpus_per_engine engines, and the group nodes x that many
+    services        (fully_async, hybrid) beside trainer rank 0 or beside engine 0, on the CPU
+                    (services/launch.py), or one reference worker per node of `cluster.reference`
+
+The plan is computed from the recipe alone (no Ray, no torch), so it is the
+same on the login node and in tests; values only known when a process starts
+are placeholders (`<node-ip>`, `<port>`). GPU indices are positions on a node;
+Ray binds each to a physical GPU when the run starts, the same one for every
+process the plan puts on it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
+
+_PLACEHOLDER = re.compile(r"'(<[\w-]+>[\w./-]*)'")  # shlex quotes `<port>`; the plan shows it bare
+
+
+# ------------------------------------------------------------------ layout
+def engines_share_train_gpus(recipe: Recipe) -> bool:
+    """Colocate on GPUs: the engines run on the train group's GPUs, time-shared with the trainer ranks."""
+    return (rollout_group_name(recipe) == "train" and recipe.rollout.gpus_per_engine > 0
+            and recipe.cluster.train.gpus_per_node > 0)
+
+
+def engines_per_node(recipe: Recipe) -> int:
+    """Engines one node of the engines' group holds: GPU engines as many as their GPUs fit in the node's,
+    CPU engines an even share of `rollout.num_engines` (the group's engine slots, cluster/node.py)."""
+    group, tp = getattr(recipe.cluster, rollout_group_name(recipe)), recipe.rollout.gpus_per_engine
+    if tp:
+        return group.gpus_per_node // tp
+    return math.ceil(recipe.rollout.num_engines / max(group.nodes, 1))
+
+
+def trainer_gpu(recipe: Recipe, rank: int) -> tuple[int, int]:
+    """(node, GPU) of trainer rank `rank` on a train group with GPUs: node by node, one rank per GPU."""
+    return divmod(rank, recipe.cluster.train.gpus_per_node)
+
+
+def engine_slot_gpus(recipe: Recipe, slot: int) -> tuple[int, list[int]]:
+    """(node, GPUs) of GPU engine slot `slot` of the engines' group: node by node, consecutive GPUs."""
+    tp = recipe.rollout.gpus_per_engine
+    node, k = divmod(slot, engines_per_node(recipe))
+    return node, list(range(k * tp, (k + 1) * tp))
+
+
+def engine_slots(recipe: Recipe) -> int:
+    """GPU engine slots of the engines' group (0 for CPU engines, which take no GPU)."""
+    if not recipe.rollout.gpus_per_engine:
+        return 0
+    return getattr(recipe.cluster, rollout_group_name(recipe)).nodes * engines_per_node(recipe)
+
+
+# ------------------------------------------------------------------- check
+def resource_problems(recipe: Recipe) -> list[str]:
+    """GPU engines that do not fit their group, with the arithmetic (trainer ranks fit by construction)."""
+    ro, name = recipe.rollout, rollout_group_name(recipe)
+    group, tp = getattr(recipe.cluster, name), ro.gpus_per_engine
+    if not tp:
+        return []
+    engines = f"{ro.num_engines} engine{_s(ro.num_engines)} x {tp} GPU{_s(tp)} = {ro.num_engines * tp} GPUs"
+    if not group.gpus_per_node:
+        return [f"cluster.{name}.gpus_per_node: {engines}, but the {name} group has no GPUs; "
+                f"set cluster.{name}.gpus_per_node"]
+    if tp > group.gpus_per_node:
+        return [f"rollout.gpus_per_engine: an engine's {tp} GPUs (its tensor-parallel ranks) must be on one node, "
+                f"but a node of the {name} group has {group.gpus_per_node}; lower rollout.gpus_per_engine to "
+                f"{group.gpus_per_node} or raise cluster.{name}.gpus_per_node to {tp}"]
+    per_node, capacity = engines_per_node(recipe), engine_slots(recipe)
+    if ro.num_engines <= capacity:
+        return []
+    shared = " (colocate: the engines share the trainer ranks' GPUs)" if engines_share_train_gpus(recipe) else ""
+    partial = (f", and a node's {group.gpus_per_node} GPUs hold {per_node} engine{_s(per_node)} of {tp}"
+               if group.gpus_per_node % tp else "")
+    lower = f" or lower rollout.num_engines to {capacity}" if capacity else ""
+    return [f"cluster.{name}: {engines}, but the {name} group has {_nodes(group.nodes)} x {group.gpus_per_node} "
+            f"GPUs = {group.gpus}{shared}{partial}; raise cluster.{name}.nodes to "
+            f"{math.ceil(ro.num_engines / per_node)}{lower}"]
+
+
+def _s(count: int) -> str:
+    return "" if count == 1 else "s"
+
+
+def _nodes(count: int) -> str:
+    return f"{count} node{_s(count)}"
+
+
+# -------------------------------------------------------------------- show
+@dataclass(frozen=True)
+class Row:
+    """One process and where it runs."""
+
+    group: str
+    node: int | None  # index in the group; None: any of its nodes (Ray picks one with a free slot)
+    devices: str
+    process: str
+
+
+def threads_per_process(recipe: Recipe, group: str, cores: int) -> int:
+    """Torch threads per process: a node's `cores` split between the trainer ranks and engines it hosts.
+
+    Oversubscribed CPU threads make torch an order of magnitude slower, and
+    in colocate mode the processes take turns anyway.
+    """
+    cluster = recipe.cluster
+    per_node = {"train": math.ceil(recipe.train_ranks / cluster.train.nodes), "rollout": 0}
+    engine_group = rollout_group_name(recipe)
+    per_node[engine_group] += math.ceil(recipe.rollout.num_engines / getattr(cluster, engine_group).nodes)
+    return max(1, cores // max(per_node.get(group, 1), 1))
+
+
+class _Planner:
+    """The rows and engine command lines of one recipe on one executor."""
+
+    def __init__(self, recipe: Recipe, executor: str):
+        from relax_core.entrypoints.local_driver import local_cpu_sets
+
+        self.recipe, self.local = recipe, executor == "local"
+        self.cpu_sets = local_cpu_sets(recipe) if self.local else {}  # the local executor pins each group's cores
+
+    def threads(self, group: str) -> int:
+        """Torch threads of a trainer rank or CPU engine of `group` (controller/job.py gives them the same)."""
+        node, pinned = getattr(self.recipe.cluster, group), self.cpu_sets.get(group)
+        cores = min(len(pinned or ()) or node.cpus_per_node, os.cpu_count() or 1) if self.local else node.cpus_per_node
+        return threads_per_process(self.recipe, group, cores)
+
+    def cpu(self, group: str, threads: int | None = None, cores: list[int] | None = None) -> str:
+        threads = threads or self.threads(group)
+        cores = cores if cores is not None else self.cpu_sets.get(group)
+        return f"CPU ({_span('core', cores) + ', ' if cores else ''}{threads} thread{_s(threads)})"
+
+    def rows(self) -> list[Row]:
+        rows = self.trainers() + self.engines() + self.judges()
+        if self.recipe.mode != "colocate":
+            rows += self.services() + self.transfer_queue()
+        return rows + [self.driver()]
+
+    def trainers(self) -> list[Row]:
+        r = self.recipe
+        names = [f"trainer rank {rank} ({r.train.backend})" for rank in range(r.train_ranks)]
+        if r.cluster.train.gpus_per_node:
+            return [Row("train", *_gpu(trainer_gpu(r, rank)), name) for rank, name in enumerate(names)]
+        return [Row("train", _only(r.cluster.train.nodes), self.cpu("train"), name) for name in names]
+
+    def engines(self) -> list[Row]:
+        r = self.recipe
+        ro, group = r.rollout, rollout_group_name(r)
+        if not ro.gpus_per_engine:
+            where = _only(getattr(r.cluster, group).nodes)
+            return [Row(group, where, self.cpu(group), f"engine {i} ({ro.engine})") for i in range(ro.num_engines)]
+        rows = []
+        for i in range(ro.num_engines):
+            node, gpus = engine_slot_gpus(r, i)
+            what = f"engine {i} ({ro.engine}, TP {ro.gpus_per_engine})"
+            if engines_share_train_gpus(r):
+                ranks = [node * r.cluster.train.gpus_per_node + gpu for gpu in gpus]
+                what += f" on the GPUs of {_span('trainer rank', ranks)}, its memory released while they train"
+            rows.append(Row(group, node, _span("GPU", gpus), what))
+        return rows
+
+    def judges(self) -> list[Row]:
+        r, group = self.recipe, rollout_group_name(self.recipe)
+        where = _only(getattr(r.cluster, group).nodes)
+        return [Row(group, where, self.cpu(group), f"judge engine {i} (cpu engine, reward.genrm.model)")
+                for i in range(r.reward.judge_engines)]
+
+    def services(self) -> list[Row]:
+        """What services/launch.py starts in the asynchronous modes, and beside which process."""
+        from relax_core.services import launch
+
+        r = self.recipe
+        engine0, rank0 = self.engines()[0], self.trainers()[0]
+        near_engines = (engine0.group, engine0.node, self.cpu(engine0.group, threads=1))
+        near_rank0 = (rank0.group, rank0.node, self.cpu("train", cores=launch.idle_cores(self.cpu_sets)))
+        rows = [Row(*near_engines, "rollout service (beside engine 0)")]
+        if launch.reference_service(r):
+            rows += self.reference_workers() or [Row(*near_rank0, "reference worker (beside trainer rank 0)")]
+        if launch.actor_forward_service(r):
+            rows.append(Row(*near_rank0, "actor-forward worker (beside trainer rank 0)"))
+        if launch.critic_service(r):
+            rows.append(Row(*near_rank0, "critic worker (beside trainer rank 0)"))
+        if launch.advantage_service(r):
+            rows.append(Row(*near_engines, "advantage service (beside engine 0)"))
+        return rows
+
+    def reference_workers(self) -> list[Row]:
+        """One per node of `cluster.reference` (none without it: the reference runs beside trainer rank 0)."""
+        own, pinned = self.recipe.cluster.reference, self.cpu_sets.get("reference")
+        cpu = self.cpu("reference", threads=len(pinned) if pinned else own.cpus_per_node)
+        return [Row("reference", i, cpu, "reference worker") for i in range(own.nodes)]
+
+    def transfer_queue(self) -> list[Row]:
+        nodes = self.recipe.cluster.train.nodes
+        return [Row("train", 0, "CPU (1 Ray CPU)", "TransferQueue controller")] + [
+            Row("train", i, "CPU (1 Ray CPU)", "TransferQueue storage unit") for i in range(nodes)]
+
+    def driver(self) -> Row:
+        ro = self.recipe.rollout
+        router = f"; router (sglang-router) in front of the {ro.num_engines} engines" if ro.uses_router else ""
+        return Row("train", 0, "CPU", f"driver{router}")
+
+    def commands(self, python: str) -> list[tuple[str, list[str]]]:
+        """(name, argv) of every engine server the run starts: the rollout engines, then the judge's."""
+        from relax_core.controller.setup import trust_remote_code
+        from relax_core.controller.workers import cpu_engine_command
+
+        r = self.recipe
+        ro, model_dir, threads = r.rollout, _model_dir_of(r)[0], self.threads(rollout_group_name(r))
+        common = {"python": python, "host": "<node-ip>", "port": "<port>", "max_running_requests": ro.max_concurrency}
+        commands = []
+        for i in range(ro.num_engines):
+            seed, trust = r.train.seed + i, trust_remote_code(r)
+            if ro.engine == "sglang":
+                from relax_core.rollout.sglang_engine import server_command
+
+                argv = server_command(model_dir=model_dir, tp_size=ro.gpus_per_engine, seed=seed, weight_version="0",
+                                      engine_args=ro.engine_args, trust_remote_code=trust, **common)
+            else:
+                argv = cpu_engine_command(model_dir=model_dir, fd="<fd>", threads=threads, seed=seed,
+                                          trust_remote_code=trust, **common)
+            commands.append((f"engine {i}", argv))
+        genrm = r.reward.genrm
+        for i in range(r.reward.judge_engines):
+            argv = cpu_engine_command(model_dir=_judge_dir(genrm.model), fd="<fd>", threads=threads,
+                                      seed=r.train.seed + i, trust_remote_code=genrm.trust_remote_code, **common)
+            commands.append((f"judge engine {i}", argv))
+        return commands
+
+
+def _gpu(where: tuple[int, int]) -> tuple[int, str]:
+    return where[0], f"GPU {where[1]}"
+
+
+def _only(nodes: int) -> int | None:
+    """Node 0 of a one-node group; None (any node, Ray's pick) otherwise."""
+    return 0 if nodes == 1 else None
+
+
+def _span(what: str, numbers: list[int]) -> str:
+    """`GPU 3`, `GPUs 2-3`, `cores 0,2`: consecutive numbers as a range."""
+    numbers = sorted(numbers)
+    plural = what + ("s" if len(numbers) > 1 else "")
+    if len(numbers) > 1 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"{plural} {numbers[0]}-{numbers[-1]}"
+    return f"{plural} {','.join(map(str, numbers))}"
+
+
+def _group_lines(recipe: Recipe) -> list[str]:
+    """Each node group's size and what takes its GPUs (or cores), with the arithmetic."""
+    cluster, ro = recipe.cluster, recipe.rollout
+    engines_on = rollout_group_name(recipe)
+    lines = []
+    for name in cluster.groups:
+        group = getattr(cluster, name)
+        size = (f"{_nodes(group.nodes)} x {group.gpus_per_node} GPUs = {group.gpus} GPUs" if group.gpus_per_node
+                else f"{_nodes(group.nodes)} x {group.cpus_per_node} core{_s(group.cpus_per_node)}, no GPU")
+        uses = []
+        if name == "train":
+            per = ("one per GPU" if group.gpus_per_node
+                   else f"train.cpu_ranks_per_node={recipe.train_ranks // group.nodes}")
+            if getattr(recipe.train, "model_parallel", 1) > 1:
+                per += (f"; tensor x pipeline x context parallel = {recipe.train.model_parallel}: "
+                        f"{recipe.data_parallel} data-parallel")
+            uses.append(f"{recipe.train_ranks} trainer rank{_s(recipe.train_ranks)} ({per})")
+        if name == engines_on:
+            used = ro.num_engines * ro.gpus_per_engine
+            what = f"{ro.num_engines} engine{_s(ro.num_engines)}"
+            what += f" x {ro.gpus_per_engine} GPU{_s(ro.gpus_per_engine)} = {used} GPUs" if used else " (CPU)"
+            if engines_share_train_gpus(recipe):
+                what += " on the trainer ranks' GPUs (colocate: time-shared)"
+            elif ro.gpus_per_engine and group.gpus > used:
+                what += f", {group.gpus - used} GPUs idle"
+            uses.append(what)
+            if recipe.reward.judge_engines:
+                uses.append(f"{recipe.reward.judge_engines} judge engine{_s(recipe.reward.judge_engines)} (CPU)")
+        if name == "reference":
+            uses.append(f"{group.nodes} reference worker{_s(group.nodes)} (one per node, CPU)")
+        lines.append(f"cluster.{name}: {size}: {', '.join(uses)}")
+    return lines
+
+
+def _model_dir_of(recipe: Recipe) -> tuple[str, list[str]]:
+    """The model directory the engines load, as the plan writes it, and what its placeholder means."""
+    model = recipe.model
+    if isinstance(model, TinyModel) or (isinstance(model, HFModel) and model.tokenizer):
+        return "<run-dir>/model", []
+    assert isinstance(model, HFModel)
+    local = Path(model.path).expanduser()
+    if local.is_dir():
+        return str(local.resolve()), []
+    return "<model-dir>", [f"<model-dir>: the hub snapshot of {model.path} (fetched once)"]
+
+
+def _judge_dir(model: str) -> str:
+    local = Path(model).expanduser()
+    return str(local.resolve()) if local.is_dir() else "<judge-model-dir>"
+
+
+def plan_lines(recipe: Recipe, executor: str, python: str | None = None, run_dir: str | None = None) -> list[str]:
+    """The plan as printed: the groups' arithmetic, one line per process, the engine command lines.
+
+    Args:
+        executor: `local` (every node group a share of this machine's cores) or `slurm`.
+        python: the interpreter the command lines name (default: this one).
+        run_dir: the run directory, when known (else `<run-dir>`).
+    """
+    where = ("every node group on this machine" if executor == "local"
+             else "het group " + ", ".join(f"{i}: {name}" for i, name in enumerate(recipe.cluster.groups)))
+    lines = [f"plan: {recipe.mode} on the {executor} executor ({where})"]
+    lines += [f"  {line}" for line in _group_lines(recipe)]
+    planner = _Planner(recipe, executor)
+    for row in planner.rows():
+        where = f"{row.group}[{'*' if row.node is None else row.node}]"
+        lines.append(f"  {where:<13} {row.devices:<28} {row.process}")
+    lines.append("engine command lines (<node-ip>, <port>, <fd>: set when the engine starts; "
+                 "its API key is in its environment):")
+    for name, argv in planner.commands(python or sys.executable):
+        lines.append(f"  {name}: {_PLACEHOLDER.sub(lambda m: m[1], shlex.join(argv))}")
+    legend = _model_dir_of(recipe)[1]
+    if recipe.reward.judge_engines and _judge_dir(recipe.reward.genrm.model).startswith("<"):
+        legend.append(f"<judge-model-dir>: the hub snapshot of {recipe.reward.genrm.model} (fetched once)")
+    text = "\n".join(lines + [f"  {item}" for item in legend])
+    return (text.replace("<run-dir>", run_dir) if run_dir else text).splitlines()
+
+
+def planned_executor(recipe: Recipe) -> str:
+    """The executor `relax submit` would pick, without asking Slurm (`auto`: slurm when sbatch is on PATH)."""
+    if recipe.cluster.executor != "auto":
+        return recipe.cluster.executor
+    import shutil
+
+    return "slurm" if shutil.which("sbatch") else "local"

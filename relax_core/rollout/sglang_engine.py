@@ -1,0 +1,141 @@
+"""SGLang engines: the command line of one `sglang.launch_server` and the check of `rollout.engine_args`.
+
+An engine of `rollout.engine: sglang` is SGLang's own HTTP server on the GPUs
+Ray gave its actor (controller/workers.py starts it). Relax sets the flags it
+owns (model, host, port, TP size, seed, request limit, weight version, remote
+code) and appends the recipe's `rollout.engine_args`, turned into flags the
+way SGLang's argparse reads them:
+
+    {mem_fraction_static: 0.7}      -> --mem-fraction-static 0.7
+    {enable_memory_saver: true}     -> --enable-memory-saver   (false: omitted)
+    {enable_tf32_matmul: false}     -> --no-enable-tf32-matmul (a --x/--no-x flag)
+    {cuda_graph_bs_decode: [1, 2]}  -> --cuda-graph-bs-decode 1 2
+    {json_model_override_args: {}}  -> --json-model-override-args '{}'
+
+Each key is checked (at validate time) against SGLang's server arguments:
+the installed SGLang's, read from its source without importing it
+(`sglang_source.py`), or, where SGLang is not installed, the list kept for the
+pinned version (`sglang_server_args.py`).
+
+The API key is not on the command line (any user can read /proc/*/cmdline):
+SGLang reads it only from `--api-key`, so the server is started through
+`sglang_launch`, which adds the flag from the environment in-process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from relax_core.config.schema import Recipe
+
+LAUNCHER = "relax_core.rollout.sglang_launch"
+INITIAL_WEIGHT_VERSION = "0"  # the model directory's weights; each weight sync sets the step it carries
+
+# SGLang's server arguments Relax sets itself, and what it sets each from.
+RESERVED = {
+    "model_path": "model.path",
+    "host": "the node's cluster address",
+    "port": "a free port of the node",
+    "tp_size": "rollout.gpus_per_engine",
+    "api_key": "the run's secret engine key",
+    "random_seed": "train.seed (plus the engine's index)",
+    "max_running_requests": "rollout.max_concurrency",
+    "weight_version": "the weight sync",
+    "trust_remote_code": "model.trust_remote_code",
+    "config": "the recipe (a config file would bypass this check: put its options in rollout.engine_args)",
+}
+
+
+def server_command(*, python: str, model_dir: str, host: str, port: int, tp_size: int, seed: int,
+                   max_running_requests: int, weight_version: str, engine_args: dict[str, Any],
+                   trust_remote_code: bool) -> list[str]:
+    """The argv of one SGLang engine (without its API key, which `sglang_launch` adds from the environment).
+
+    `engine_args` have passed `engine_args_problems` at submit; their flags are those of the SGLang
+    installed here (the pinned list where there is none)."""
+    command = [
+        python, "-m", LAUNCHER, "--model-path", model_dir, "--host", host, "--port", str(port),
+        "--tp-size", str(tp_size), "--random-seed", str(seed), "--max-running-requests", str(max_running_requests),
+        "--weight-version", weight_version,
+    ] + (["--trust-remote-code"] if trust_remote_code else [])
+    version, table = server_arg_table()
+    for key, value in engine_args.items():
+        if key not in table:  # checked at submit against another SGLang than the one installed here
+            raise ValueError(f"rollout.engine_args.{key}: not a server argument of SGLang {version}, the one "
+                             f"installed where this engine starts")
+        command += _flags(table[key], value)
+    return command
+
+
+def recipe_server_command(recipe: Recipe, index: int, *, python: str, model_dir: str, host: str,
+                          port: int) -> list[str]:
+    """The argv of engine `index` of `recipe` (what `EngineWorker` starts from the values the job gives it)."""
+    from relax_core.controller.setup import trust_remote_code
+
+    ro = recipe.rollout
+    return server_command(python=python, model_dir=model_dir, host=host, port=port, tp_size=ro.gpus_per_engine,
+                          seed=recipe.train.seed + index, max_running_requests=ro.max_concurrency,
+                          weight_version=INITIAL_WEIGHT_VERSION, engine_args=dict(ro.engine_args),
+                          trust_remote_code=trust_remote_code(recipe))
+
+
+def _flags(arg: tuple[str, str], value: Any) -> list[str]:
+    """One engine argument as SGLang's argparse reads it (`arg`: its flag and kind)."""
+    flag, kind = arg
+    if kind in ("flag", "flag_on"):
+        return [flag] if value else []
+    if kind == "bool":
+        return [flag] if value else ["--no-" + flag[2:]]
+    if kind == "list":
+        return [flag, *(_text(v) for v in (value if isinstance(value, list) else [value]))]
+    return [flag, _text(value)]
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
+def engine_args_problems(engine_args: dict[str, Any]) -> list[str]:
+    """What is wrong with `rollout.engine_args` for SGLang (empty: nothing)."""
+    version, table = server_arg_table()
+    problems = []
+    for key, value in engine_args.items():
+        field = f"rollout.engine_args.{key}"
+        if key in RESERVED:
+            problems.append(f"{field}: Relax sets it from {RESERVED[key]}; remove it from rollout.engine_args")
+        elif key not in table:
+            close = difflib.get_close_matches(key, list(table), n=3)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            problems.append(f"{field}: not a server argument of SGLang {version}{hint}")
+        else:
+            problems += _value_problems(field, table[key], value)
+    return problems
+
+
+def _value_problems(field: str, arg: tuple[str, str], value: Any) -> list[str]:
+    flag, kind = arg
+    if value is None:
+        return [f"{field}: null; remove the key to keep SGLang's default"]
+    if kind in ("flag", "flag_on", "bool") and not isinstance(value, bool):
+        return [f"{field}: {flag} is an on/off flag; set true or false (got {value!r})"]
+    if kind == "flag_on" and not value:
+        return [f"{field}: {flag} is on by default and SGLang has no flag to turn it off; remove the key"]
+    return []
+
+
+@cache
+def server_arg_table() -> tuple[str, dict[str, tuple[str, str]]]:
+    """SGLang's version and its server arguments `{name: (flag, kind)}`: the installed SGLang's, read from
+    its source, else the list kept for the pinned version."""
+    from relax_core.rollout import sglang_source
+
+    installed = sglang_source.installed()
+    if installed is not None:
+        return installed
+    from relax_core.rollout.sglang_server_args import SERVER_ARGS, SGLANG_VERSION
+
+    return SGLANG_VERSION, SERVER_ARGS
