@@ -2,22 +2,29 @@
 
 Sync: `WeightBroadcaster` (relax_core/weights/sync.py) pushes a model's weights
 into a real CPU engine server (a subprocess) over a gloo group, with SGLang's
-protocol: per bucket, `/update_weights_from_distributed` (names, dtypes,
-shapes) and one broadcast per tensor, which the engine receives into its
-parameters. Raw: the same tensors, in the same order, broadcast to a plain
+protocol: `/begin_weight_update`, per bucket `/update_weights_from_distributed`
+(names, dtypes, shapes) and one broadcast per tensor, which the engine
+receives into its parameters, then `/end_weight_update`. Raw: the same tensors, in the same order, broadcast to a plain
 receiver process over a gloo group of its own (no HTTP, no engine). Both on
 this machine over loopback.
 
     ratio_of_raw = raw_s / sync_s        (goal >= 0.90)
 
-The model is a tiny Qwen3 widened to about `--model-mb` MiB of float32 weights.
+The model is a tiny Qwen3 widened to about `--model-mb` MiB of float32 weights
+(256 by default: the HTTP round trips are a fixed few ms per sync, which a
+model of a few MiB would weigh far more than a real one of several GiB does).
 Bucket sizes: the recipes' default (`train.weight_sync_bucket_mb`, 512 MiB: one
 bucket here) and a small one (`--small-mb`, several buckets). Each figure is the
 median of `--repeat` syncs after one warm-up. The last line is one JSON object
 per bucket size with at least bucket_mb, sync_s, raw_s and ratio_of_raw.
 Seconds to a minute; not part of the test suite:
 
-    python3 tests/benchmarks/bench_weight_sync.py [--model-mb 64] [--small-mb 4] [--repeat 7]
+    python3 tests/benchmarks/bench_weight_sync.py [--model-mb 256] [--small-mb 4] [--repeat 7] [--ipc]
+
+`--ipc` also times colocate's hand-over by reference (relax_core/weights/ipc.py,
+`/update_weights_from_tensor` through shared memory) of the same tensors into
+a fresh engine: `ipc_s`, and `ipc_speedup` = sync_s / ipc_s. `--num-layers 2
+--model-mb 0.1` is the quick start's model (hidden 64, 2 layers).
 
 It re-runs itself in a network namespace with only loopback up (as tests/run does).
 """
@@ -53,9 +60,11 @@ for _ in range(int(sys.argv[3])):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model-mb", type=float, default=64)
+    parser.add_argument("--model-mb", type=float, default=256)
     parser.add_argument("--small-mb", type=float, default=4)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--ipc", action="store_true", help="also time the hand-over by reference (colocate)")
     args = parser.parse_args()
     if os.environ.get("RELAX_BENCH_NETNS") != "1":
         env = os.environ | {"RELAX_BENCH_NETNS": "1", "HF_HUB_OFFLINE": "1"}
@@ -69,8 +78,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        hidden = _hidden_for(args.model_mb)
-        model_dir = materialize_tiny_model(Path(tmp) / "model", hidden_size=hidden, num_layers=4, alphabet="abcd")
+        hidden = _hidden_for(args.model_mb, args.num_layers)
+        model_dir = materialize_tiny_model(Path(tmp) / "model", hidden_size=hidden, num_layers=args.num_layers,
+                                           alphabet="abcd")
         named = [(n, p.detach().contiguous()) for n, p in
                  AutoModelForCausalLM.from_pretrained(model_dir).named_parameters()]
         total = sum(t.numel() * t.element_size() for _, t in named)
@@ -86,13 +96,17 @@ def main() -> None:
                    "sync_gb_per_s": round(total / sync_s / 1e9, 3)}
             print(f"bucket {bucket_mb:g} MiB ({row['buckets']} buckets): sync {sync_s * 1e3:.1f} ms, raw "
                   f"{raw_s * 1e3:.1f} ms, ratio of raw {row['ratio_of_raw']:.2f} (goal >= 0.90)")
+            if args.ipc:
+                ipc_s = statistics.median(_ipc_times(model_dir, named, bucket_mb, args.repeat, Path(tmp)))
+                row |= {"ipc_s": round(ipc_s, 5), "ipc_speedup": round(sync_s / ipc_s, 3)}
+                print(f"  hand-over by reference: {ipc_s * 1e3:.1f} ms, {row['ipc_speedup']:.2f}x the sync")
             results.append(row)
     print(json.dumps(results))
 
 
-def _hidden_for(mb: float) -> int:
-    """Hidden size whose 4-layer tiny Qwen3 has about `mb` MiB of float32 weights (~12 h^2 per layer)."""
-    return max(64, int((mb * 2**20 / 4 / (4 * 12)) ** 0.5) // 64 * 64)
+def _hidden_for(mb: float, layers: int) -> int:
+    """Hidden size whose tiny Qwen3 of `layers` layers has about `mb` MiB of float32 weights (~12 h^2 per layer)."""
+    return max(64, int((mb * 2**20 / 4 / (layers * 12)) ** 0.5) // 64 * 64)
 
 
 def _sync_times(model_dir: Path, named: list, bucket_mb: float, repeat: int, tmp: Path) -> list[float]:
@@ -116,6 +130,28 @@ def _sync_times(model_dir: Path, named: list, bucket_mb: float, repeat: int, tmp
                 await broadcaster.close()
 
     with EngineServer(model_dir, tmp / f"engine-{bucket_mb:g}.log", "bench-key") as server:
+        return asyncio.run(run())
+
+
+def _ipc_times(model_dir: Path, named: list, bucket_mb: float, repeat: int, tmp: Path) -> list[float]:
+    from engine_fixtures import EngineServer
+
+    from relax_core.rollout.client import EngineClient
+    from relax_core.weights.ipc import TensorHandover
+
+    async def run() -> list[float]:
+        async with EngineClient(server.base_url, api_key="bench-key", timeout=600) as client:
+            handover = TensorHandover([client], HOST, bucket_bytes=int(bucket_mb * 2**20))
+            await handover.init()
+            times = []
+            for version in range(repeat + 1):
+                start = time.perf_counter()
+                await handover.broadcast(named, version + 1)
+                times.append(time.perf_counter() - start)
+            await handover.close()
+            return times[1:]
+
+    with EngineServer(model_dir, tmp / f"engine-ipc-{bucket_mb:g}.log", "bench-key") as server:
         return asyncio.run(run())
 
 
