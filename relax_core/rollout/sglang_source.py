@@ -46,7 +46,11 @@ def installed() -> tuple[str, dict[str, tuple[str, str]]] | None:
     root = package_dir()
     if root is None:
         return None
-    return importlib.metadata.version("sglang"), server_args(root)
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:  # its files without its metadata (half installed or removed)
+        return None
+    return version, server_args(root)
 
 
 def server_args(root: Path) -> dict[str, tuple[str, str]]:
