@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id, reference_problems
-from relax_core.config.schema import HFModel, Recipe, SyntheticData, TinyModel
-from relax_core.errors import RecipeError
+from relax_core.config.schema import FileData, HFModel, Recipe, SyntheticData, TinyModel
+from relax_core.errors import RecipeError, UserError
 from relax_core.launch.plan import resource_problems
 from relax_core.models.tiny import TEMPLATE_CHARS
 
@@ -56,9 +56,25 @@ def _reward_problems(recipe: Recipe) -> list[str]:
         names = list_rewards(recipe.reward.plugin_dirs)
     except RewardPluginError as exc:
         return [f"reward.plugin_dirs: {exc}"]
-    if recipe.reward.name in names:
+    problems = [] if recipe.reward.name in names else [
+        f"reward.name: no reward called '{recipe.reward.name}' (available: {', '.join(names)})"]
+    return problems + _routing_problems(recipe)
+
+
+def _routing_problems(recipe: Recipe) -> list[str]:
+    """`data.reward_key` of a local data file: every reward its rows name exists (a hub data set is
+    checked once the run has fetched it, before any engine starts)."""
+    data = recipe.data
+    if not isinstance(data, FileData) or not data.reward_key or data.source != "file":
         return []
-    return [f"reward.name: no reward called '{recipe.reward.name}' (available: {', '.join(names)})"]
+    from relax_core.data.prompts import build_prompt_source
+    from relax_core.rewards.hub import check_routes
+
+    try:
+        check_routes(build_prompt_source(data).reward_names(), data.reward_key, recipe.reward.plugin_dirs)
+    except UserError as exc:
+        return [str(exc)]
+    return []
 
 
 def model_context_length(recipe: Recipe) -> int | None:

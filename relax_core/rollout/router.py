@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from relax_core.cluster.lifetime import child_of_this_process
-from relax_core.cluster.ports import candidate_port
+from relax_core.cluster.ports import candidate_port, listening_socket
 
 ROUTER_KEY_ENV = "RELAX_ROUTER_API_KEY"
 DRAIN_POLL_S = 0.1
@@ -146,9 +146,18 @@ class Router:
         raise RouterError("unreachable")  # the last attempt re-raised
 
     def _may_retry(self, exc: BaseException, attempt: int) -> bool:
-        """Another process took a port we picked: try fresh ones (never ports the caller chose)."""
-        picked = None in self._given_ports
-        return isinstance(exc, RouterError) and PORT_TAKEN in str(exc) and picked and attempt < BIND_ATTEMPTS
+        """Another process took a port we picked: try fresh ones. A port the caller chose is never replaced,
+        so when one of those is the taken one (it cannot be bound now) the error is the caller's at once."""
+        if not (isinstance(exc, RouterError) and PORT_TAKEN in str(exc) and attempt < BIND_ATTEMPTS):
+            return False
+        return None in self._given_ports and all(self._bindable(port) for port in self._given_ports if port)
+
+    def _bindable(self, port: int) -> bool:
+        try:
+            listening_socket(self.host, port).close()
+        except OSError:
+            return False
+        return True
 
     def _launch(self, worker_urls: list[str]) -> None:
         """One start of the router process, on the given ports or freshly picked ones."""

@@ -65,7 +65,6 @@ def test_a_run_whose_reward_keeps_failing_stops_naming_the_reward_and_its_first_
     assert state["state"] == "failed" and "flaky_judge" in state["error"]
 
 
-@pytest.mark.slow
 def test_a_reward_name_no_reward_has_in_the_routing_column_stops_the_start(tmp_path: Path):
     lines = [{"prompt": "ab", "label": "ab", "task": task} for task in ("copy", "cpoy", "copy", None)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -75,5 +74,4 @@ def test_a_reward_name_no_reward_has_in_the_routing_column_stops_the_start(tmp_p
     proc = relax("submit", str(tmp_path / "recipe.yaml"), "--executor", "local", "--run-dir", "run", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "data.reward_key: column 'task' names rewards that do not exist: 'cpoy'" in " ".join(proc.stderr.split())
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert not list((tmp_path / "run" / "logs").glob("engine*"))  # stopped before any engine started
+    assert not (tmp_path / "run").exists()  # refused before the run directory, Ray or any engine
