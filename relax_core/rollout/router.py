@@ -59,12 +59,13 @@ PORT_TAKEN = "Address already in use"
 
 
 # cache_aware sends a request to the engine whose cache holds the longest prefix of it only when that
-# prefix is at least this share of the prompt, else to the engine with the least cached. At 0.9 the
-# other samples of a request's own group (the same prompt) attract it, while a new prompt that only
-# shares the chat template with earlier ones goes to the emptiest engine: groups stay whole and
-# spread over the engines, an added engine included. (The router's default, 0.3, lets the shared
-# template pull every prompt onto the engine that has served longest.)
-CACHE_THRESHOLD = 0.9
+# prefix is more than this share of the prompt, else to the engine with the least cached. The other
+# samples of a request's own group (the same prompt) match it entirely and follow it; any other prompt,
+# however much of it is chat template or system prompt, goes to the emptiest engine: groups stay whole
+# and spread over the engines, an added engine included. (At 0.9 a 2-character quick-start prompt is
+# 19 of 21 tokens template, so every such prompt stuck to the engine that had served longest and an
+# added engine could get nothing; the router's default, 0.3, is worse still.)
+CACHE_THRESHOLD = 0.99
 
 class RouterError(RuntimeError):
     """The router refused a command, died, or did not get ready in time."""

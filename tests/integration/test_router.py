@@ -148,6 +148,20 @@ def test_added_engine_receives_requests(engines, make_router):
     assert counts["b"] > 0 and counts["a"] + counts["b"] == 30, counts
 
 
+def test_prompts_that_share_a_chat_template_spread_to_an_added_engine(engines, make_router):
+    # A chat template makes most of a short prompt: 19 shared tokens, then 2 of the prompt's own.
+    template = [7, 11, 13, 17, 19, 23, 29, 31, 37, 39, 4, 6, 8, 10, 12, 14, 16, 18, 20]
+    prompts = [{"input_ids": template + [3 + i % 30, 33 + i // 30], "sampling_params": SHORT} for i in range(31)]
+    router = make_router("a", engines=engines)
+    asyncio.run(generate_many(router.url, prompts[:1]))  # a's cache now holds the template
+    asyncio.run(router.add_engine(engines["b"].base_url))
+
+    before = finished(engines)
+    asyncio.run(generate_many(router.url, prompts[1:]))
+    counts = served(before, finished(engines))
+    assert counts["a"] + counts["b"] == 30 and counts["b"] >= 10, counts
+
+
 def test_remove_engine_drains_in_flight_requests(engines, make_router):
     router = make_router("a", "b", engines=engines)
     b_url = engines["b"].base_url
