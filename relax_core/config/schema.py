@@ -61,8 +61,10 @@ class TinyModel(Section):
 
     source: Literal["tiny"] = "tiny"
     """Where the model comes from: `tiny` (built from this config with random weights)."""
-    architecture: Literal["qwen3"] = "qwen3"
-    """Model architecture of the random-weight model (one of `models/tiny.py`'s CONFIG_BUILDERS)."""
+    architecture: Literal["qwen3", "qwen3_vl", "qwen3_omni"] = "qwen3"
+    """Model architecture of the random-weight model (one of `models/tiny.py`'s CONFIG_BUILDERS): `qwen3` (text),
+    `qwen3_vl` (Qwen3-VL: images, video) or `qwen3_omni` (Qwen3-Omni thinker: images, video, audio); the sizes
+    below shape the text model, the vision/audio encoders are fixed tiny ones."""
     hidden_size: int = Field(64, ge=8)
     """Hidden size."""
     num_layers: int = Field(2, ge=1)
@@ -97,8 +99,11 @@ class SyntheticData(Section):
 
     source: Literal["synthetic"] = "synthetic"
     """Where prompts come from: `synthetic` (generated from a seed)."""
-    task: Literal["copy", "reverse", "add"] = "copy"
-    """Task: `copy` (repeat the string), `reverse` (reverse it) or `add` (sum two numbers)."""
+    task: Literal["copy", "reverse", "add", "colours", "tones"] = "copy"
+    """Task: `copy` (repeat the string), `reverse` (reverse it) or `add` (sum two numbers); with media, for
+    vision-language and omni models: `colours` (which of four colours fills an image; the parquet schema of
+    multimodal-open-r1-8k-verified) or `tones` (is the second of two tones higher; image + audio, the
+    schema of omni_avqa.yaml). The media tasks ignore the string settings."""
     min_len: int = Field(2, ge=1)
     """Shortest string in a prompt."""
     max_len: int = Field(3, ge=1)
@@ -131,17 +136,41 @@ class FileData(Section):
     reward_key: str | None = None
     """Column naming the reward of each row (mixed-task data sets); the recipe's reward otherwise."""
     image_key: str | None = None
-    """Column with images (vision-language and omni models; not available in this version: refused)."""
+    """Column with images (vision-language and omni models): per row a path (relative to the data file), bytes,
+    a data URI, a Hugging Face `{bytes, path}` record, a list of these, or null. Files are read when the rows
+    load; `relax validate` and `relax submit` decode every one first."""
     audio_key: str | None = None
-    """Column with audio (omni models; not available in this version: refused)."""
+    """Column with audio (omni models), in the same forms as `image_key` (or a `{array, sampling_rate}` record)."""
     video_key: str | None = None
-    """Column with video (omni models; not available in this version: refused)."""
+    """Column with video (omni models), in the same forms as `image_key`."""
+    image_min_pixels: int | None = Field(None, ge=1)
+    """Smaller images are scaled up (aspect ratio kept) to at least this many pixels; null: left to the processor."""
+    image_max_pixels: int | None = Field(None, ge=1)
+    """Larger images are scaled down (aspect ratio kept) to at most this many pixels; null: left to the processor."""
+    video_fps: float = Field(2.0, gt=0)
+    """Frames sampled per second of video time."""
+    video_min_frames: int = Field(4, ge=1)
+    """Fewest frames taken from a clip (spread evenly over it; never more than the clip has)."""
+    video_max_frames: int = Field(768, ge=1)
+    """Most frames taken from a clip (spread evenly over it when `video_fps` would take more)."""
+    audio_sample_rate: int | None = Field(None, ge=1000)
+    """Rate audio is resampled to, in Hz; null: the model's processor's rate."""
+    audio_max_seconds: float | None = Field(None, gt=0)
+    """Longest audio clip in seconds: a longer one is refused (by `relax validate` first); null: no bound."""
     system_prompt: str | None = None
     """System message put before every prompt."""
     shuffle: bool = True
     """Shuffle the rows each epoch."""
     seed: int = Field(0, ge=0)
     """Seed of the shuffle."""
+
+    @model_validator(mode="after")
+    def _media_bounds(self) -> FileData:
+        for low, high in (("image_min_pixels", "image_max_pixels"), ("video_min_frames", "video_max_frames")):
+            least, most = getattr(self, low), getattr(self, high)
+            if least is not None and most is not None and least > most:
+                raise ValueError(f"{low} ({least}) must not exceed {high} ({most})")
+        return self
 
 
 DataConfig = Annotated[
@@ -180,6 +209,9 @@ class RolloutConfig(Section):
     being trained (rollout runs that far ahead of training); 0 is on-policy."""
     max_concurrency: int = Field(64, ge=1)
     """Requests in flight per engine."""
+    media_workers: int = Field(1, ge=1)
+    """Processes beside the rollout manager that decode images, video and audio and run the model's
+    processor (data with `image_key`, `video_key` or `audio_key`), so generation does not wait on them."""
     router: bool | None = None
     """Put the engines behind one router (`sglang-router`, cache-aware: a group's samples stay on one
     engine). Null: when there is more than one engine; without it the rollout manager spreads prompt
@@ -244,7 +276,13 @@ class TorchTrainConfig(TrainCommon):
     max_tokens_per_gpu: int | None = Field(None, ge=1)
     """Token budget of one micro-batch on one rank: samples (at most `micro_batch_size`) are packed one
     after another into one row, without padding, up to this many prompt+response tokens (a longer
-    sample goes alone). Null: padded micro-batches of `micro_batch_size` samples."""
+    sample goes alone). Null: padded micro-batches of `micro_batch_size` samples. Micro-batches with
+    images, video or audio are always padded."""
+    freeze_vision: bool = False
+    """Keep the vision encoder (and its merger into the language model) at its initial weights: it gets no
+    gradient, no optimizer state and is not resent to the engines (vision-language and omni models)."""
+    freeze_audio: bool = False
+    """Keep the audio encoder at its initial weights, likewise (omni models)."""
 
 
 class MegatronTrainConfig(TrainCommon):

@@ -1,6 +1,6 @@
 """Prompt sources: where each step's prompts come from, and how they become token ids.
 
-A source yields `{"prompt", "label", "metadata", "reward"}` rows with a
+A source yields `{"prompt", "label", "metadata", "reward", "media"}` rows with a
 resumable cursor (`state_dict` / `load_state_dict`, saved in every checkpoint).
 `reward` is the row's own reward name, read from the column `data.reward_key`
 names (None without one, so the recipe's reward scores it); it sits beside the
@@ -11,6 +11,13 @@ The rows come from a synthetic task (quick start), a local JSONL/JSON/Parquet
 file, or the same files of a hub data set (fetched once with `huggingface_hub`,
 then read by the same code), all held in memory as Python dicts (about 600 MB
 for a million short rows). `encode_prompt` applies the model's chat template.
+
+Media columns (`data.image_key`, `video_key`, `audio_key`) are read when the
+rows load: every file's bytes are in memory from then on (media.py). They stay
+out of `metadata` (which travels as JSON); `media` carries them instead,
+`{"row", "columns": {kind: column}, kind: [records]}` (None without media
+keys), and `media.row_media` decodes it where the row is used.
+`media_problems` is the check `relax validate` runs on every media value.
 """
 
 from __future__ import annotations
@@ -21,11 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from relax_core.config.schema import FileData, SyntheticData
+from relax_core.data.media import KINDS, MediaBounds, MediaError, check_value, read_value
 from relax_core.data.synthetic import SyntheticTask
 from relax_core.errors import UserError
 
+MEDIA_TASKS = ("colours", "tones")  # synthetic tasks with media: data sets written in the real schemas
+
 
 def build_prompt_source(data: SyntheticData | FileData):
+    if isinstance(data, SyntheticData) and data.task in MEDIA_TASKS:
+        return synthetic_media_source(data)
     if isinstance(data, SyntheticData):
         return SyntheticTask(kind=data.task, seed=data.seed, alphabet=data.symbols,
                              min_len=data.min_len, max_len=data.max_len)
@@ -59,15 +71,19 @@ class RowSource:
         batch = []
         for _ in range(n):
             epoch, index = divmod(self.cursor, len(self.rows))
-            batch.append(self._item(self.rows[self._order_of(epoch)[index]]))
+            row = self._order_of(epoch)[index]
+            batch.append(self._item(self.rows[row], row))
             self.cursor += 1
         return batch
 
-    def _item(self, row: dict[str, Any]) -> dict[str, Any]:
-        d = self.data
-        metadata = {k: v for k, v in row.items() if k not in (d.prompt_key, d.label_key)}
+    def _item(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        d, columns = self.data, media_columns(self.data)
+        skip = {d.prompt_key, d.label_key} | {column.split(".")[0] for column in columns.values()}
+        media = {"row": index, "columns": columns} | {kind: _media_get(row, c) for kind, c in columns.items()}
         return {"prompt": dotted_get(row, d.prompt_key), "label": dotted_get(row, d.label_key),
-                "metadata": metadata, "reward": dotted_get(row, d.reward_key) if d.reward_key else None}
+                "metadata": {k: v for k, v in row.items() if k not in skip},
+                "reward": dotted_get(row, d.reward_key) if d.reward_key else None,
+                "media": media if columns else None}
 
     def reward_names(self) -> set:
         """Every value of the `data.reward_key` column (empty without one): checked before the run starts."""
@@ -97,11 +113,73 @@ def dotted_get(row: dict[str, Any], key: str) -> Any:
 
 
 def load_rows(data: FileData) -> list[dict[str, Any]]:
+    """Every row of the data set, with the bytes of its media files read into memory."""
     files = _hub_files(data) if data.source == "hub" else [Path(data.path).expanduser()]
     rows: list[dict[str, Any]] = []
     for path in files:
-        rows += _read_file(path)
+        file_rows = _read_file(path)
+        for index, row in enumerate(file_rows, len(rows)):
+            for column in media_columns(data).values():
+                _media_set(row, column, read_value(_media_get(row, column), path.parent, _where(index, column)))
+        rows += file_rows
     return rows
+
+
+def media_columns(data: FileData) -> dict[str, str]:
+    """The media columns the recipe names, by kind ("image", "video", "audio")."""
+    return {kind: column for kind in KINDS if (column := getattr(data, f"{kind}_key", None))}
+
+
+def _where(index: int, column: str) -> str:
+    return f"data: row {index}, column '{column}'"
+
+
+def _media_get(row: dict[str, Any], column: str) -> Any:
+    """The media value of a row; None (no media) where the column is absent: text-only rows of a mixed set."""
+    value: Any = row
+    for part in column.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _media_set(row: dict[str, Any], column: str, records: list[dict[str, Any]]) -> None:
+    *parents, last = column.split(".")
+    for part in parents:
+        row = row.setdefault(part, {})
+    row[last] = records
+
+
+def media_problems(data: FileData, limit: int = 10) -> list[str]:
+    """What would fail in the media of a data set this machine holds: a missing file, an image, video or
+    audio that does not decode, audio over `audio_max_seconds`, a media column no row has. At most `limit`
+    lines and a count of the rest. A file this machine cannot see, or a hub data set not downloaded yet,
+    yields none (the run checks it when it loads)."""
+    columns = media_columns(data)
+    files = _hub_files(data, local_only=True) if data.source == "hub" else [Path(data.path).expanduser()]
+    if not columns or not files or not all(path.is_file() for path in files):
+        return []
+    bounds, problems, seen, first = MediaBounds.from_data(data), [], set(), 0
+    for path in files:
+        rows = _read_file(path)
+        for index, row in enumerate(rows, first):
+            for kind, column in columns.items():
+                value = _media_get(row, column)
+                seen.update([column] if value is not None else [])
+                problems += _value_problems(kind, value, path.parent, bounds, _where(index, column))
+        first += len(rows)
+    problems += [f"data.{kind}_key: no row has a column '{column}'" for kind, column in columns.items()
+                 if column not in seen]
+    more = [f"... and {len(problems) - limit} more media problem(s)"] if len(problems) > limit else []
+    return problems[:limit] + more
+
+
+def _value_problems(kind: str, value: Any, base_dir: Path, bounds: MediaBounds, where: str) -> list[str]:
+    try:
+        for record in read_value(value, base_dir, where):
+            check_value(kind, record, bounds, where)
+    except MediaError as exc:
+        return [str(exc)]
+    return []
 
 
 def _read_file(path: Path) -> list[dict[str, Any]]:
@@ -123,11 +201,19 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
         raise UserError(f"data.path: '{path}' is not JSON lines: {exc}") from None
 
 
-def _hub_files(data: FileData) -> list[Path]:
+def _hub_files(data: FileData, local_only: bool = False) -> list[Path]:
+    """The split's files of a hub data set (fetched once); with `local_only`, none unless already downloaded."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
     patterns = [f"*{data.split}*.{ext}" for ext in ("parquet", "jsonl", "json")]
-    root = Path(snapshot_download(data.path, repo_type="dataset", allow_patterns=patterns))
+    try:
+        root = Path(snapshot_download(data.path, repo_type="dataset", allow_patterns=patterns,
+                                      local_files_only=local_only))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        if local_only:
+            return []
+        raise
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".parquet", ".jsonl", ".json"))
     if not files:
         raise UserError(f"data.path: hub data set '{data.path}' has no {data.split} split files")
@@ -141,3 +227,31 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, str]], system_prompt: 
         messages.insert(0, {"role": "system", "content": system_prompt})
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def media_view(data: SyntheticData | FileData) -> FileData | None:
+    """The data set's columns as a file data set names them, when it has media (the synthetic media tasks
+    read like the files they are written as); None for text data."""
+    if isinstance(data, SyntheticData):
+        if data.task not in MEDIA_TASKS:
+            return None
+        keys = {"image_key": "image"} | ({"audio_key": "audio"} if data.task == "tones" else {})
+        return FileData(path=f"synthetic:{data.task}", prompt_key="problem", label_key="solution",
+                        seed=data.seed, **keys)
+    return data if media_columns(data) else None
+
+
+def synthetic_media_source(data: SyntheticData, rows: int = 64) -> RowSource:
+    """`colours` / `tones`: the data set written to a scratch folder in its real schema (parquet with embedded
+    PNGs; JSONL with image and WAV paths), read back by the file reader like any data set (media in memory),
+    then the folder removed. The same seed writes the same rows in every process."""
+    import tempfile
+
+    from relax_core.data.synthetic_media import write_color_images, write_tone_pairs
+
+    view = media_view(data)
+    write = write_color_images if data.task == "colours" else write_tone_pairs
+    with tempfile.TemporaryDirectory(prefix="relax-synthetic-") as scratch:
+        path = write(scratch, n_rows=rows, seed=data.seed)
+        loaded = load_rows(view.model_copy(update={"path": str(path)}))
+    return RowSource(loaded, view)

@@ -4,7 +4,8 @@ The schema has already checked the recipe's shape; these check that the run
 can work on the executor it will use: this version of Relax has code for
 everything it asks for (`unavailable_features`), its engines' GPUs fit its
 node groups (`plan.resource_problems`), the names it uses exist, the
-batch fits the model's context, and the executor has what it needs. Every
+batch fits the model's context, every media file of its data set decodes
+(`_multimodal_problems`), and the executor has what it needs. Every
 problem is a `RecipeError` (exit code 2) that says what to change.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id, reference_problems
 from relax_core.config.schema import FileData, HFModel, Recipe, SyntheticData, TinyModel
+from relax_core.data.prompts import MEDIA_TASKS
 from relax_core.errors import RecipeError, UserError
 from relax_core.launch.plan import resource_problems
 from relax_core.models.tiny import TEMPLATE_CHARS
@@ -31,15 +33,16 @@ def preflight(recipe: Recipe, recipe_path: str | Path, executor) -> None:
     """Every check; `executor` (launch/executors.py) adds its own."""
     # What this version lacks comes first: it is refused on every executor, whatever else is wrong.
     problems = unavailable_features(recipe) + resource_problems(recipe) + reference_problems(recipe)
-    problems += _memory_saver_problems(recipe) + _reward_problems(recipe)
+    problems += _memory_saver_problems(recipe) + _reward_problems(recipe) + _multimodal_problems(recipe)
     problems += _context_problems(recipe) + _tokenizer_problems(recipe) + _remote_code_problems(recipe)
     _raise_if(problems + executor.problems(recipe), recipe_path)
 
 
 def refuse_unavailable(recipe: Recipe, recipe_path: str | Path) -> None:
     """`relax validate`: a recipe this version cannot run on any executor (or whose processes do not fit
-    its node groups) is an error there too."""
-    _raise_if(unavailable_features(recipe) + resource_problems(recipe) + _memory_saver_problems(recipe), recipe_path)
+    its node groups, or whose media do not decode) is an error there too."""
+    problems = unavailable_features(recipe) + resource_problems(recipe) + _memory_saver_problems(recipe)
+    _raise_if(problems + _multimodal_problems(recipe), recipe_path)
 
 
 def _raise_if(problems: list[str], recipe_path: str | Path) -> None:
@@ -122,6 +125,8 @@ def _context_problems(recipe: Recipe) -> list[str]:
             f"exceeds the model's context of {limit} tokens"
         )
     data = recipe.data
+    if isinstance(data, SyntheticData) and data.task in MEDIA_TASKS:
+        return problems + _media_task_problems(recipe, data)
     if isinstance(data, SyntheticData) and isinstance(recipe.model, TinyModel):
         missing = sorted(set(data.symbols + ("0123456789+=" if data.task == "add" else "")) -
                          set(recipe.model.alphabet + TEMPLATE_CHARS))
@@ -133,6 +138,26 @@ def _context_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
+def _media_task_problems(recipe: Recipe, data: SyntheticData) -> list[str]:
+    """`colours` needs a model that sees (Qwen3-VL or the Omni thinker), `tones` one that hears (Omni); a tiny
+    model's tokenizer must have every character of the task's questions."""
+    from relax_core.data.synthetic_media import COLOUR_PROBLEM, TONE_PROBLEM
+
+    need = ("qwen3_vl", "qwen3_omni") if data.task == "colours" else ("qwen3_omni",)
+    model, problems = recipe.model, []
+    if isinstance(model, TinyModel):
+        if model.architecture not in need:
+            problems.append(f"model.architecture: the {data.task} task needs a model with "
+                            f"{'vision' if data.task == 'colours' else 'audio'} ({' or '.join(need)}), "
+                            f"not {model.architecture}")
+        text = COLOUR_PROBLEM if data.task == "colours" else TONE_PROBLEM
+        missing = sorted(set(text) - set(model.alphabet + TEMPLATE_CHARS))
+        if missing:
+            problems.append(f"model.alphabet: the {data.task} task's questions use characters the tokenizer lacks: "
+                            f"{''.join(missing)!r}")
+    return problems
+
+
 def unavailable_features(recipe: Recipe) -> list[str]:
     """What the recipe asks for that this version of Relax has no code for, one line per field.
 
@@ -140,7 +165,7 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     the version that builds a backend deletes its line here. `rollout.engine_args` is checked here too,
     against the arguments of the SGLang that would run them, so `relax validate` catches a wrong key.
     """
-    problems = _engine_problems(recipe) + _multimodal_problems(recipe)
+    problems = _engine_problems(recipe)
     if recipe.train.backend == "megatron":
         problems.append(f"train.backend: megatron (with {', '.join(_MEGATRON_FIELDS)}) {_NOT_YET}; "
                         "use train.backend=torch")
@@ -177,6 +202,14 @@ def _memory_saver_problems(recipe: Recipe) -> list[str]:
 
 
 def _multimodal_problems(recipe: Recipe) -> list[str]:
-    return [f"data.{key}: multimodal data ({kind}) {_NOT_YET}; remove the field"
-            for key, kind in (("image_key", "images"), ("audio_key", "audio"), ("video_key", "video"))
-            if getattr(recipe.data, key, None)]
+    """Every media value of every row of a data set this machine holds reads and decodes, within the
+    recipe's bounds (a file it cannot see is `reference_problems`' to report; a hub data set not
+    downloaded yet is checked as the run loads it)."""
+    if not isinstance(recipe.data, FileData):
+        return []
+    from relax_core.data.prompts import media_problems
+
+    try:
+        return media_problems(recipe.data)
+    except UserError as exc:  # the data file itself does not parse
+        return [str(exc)]

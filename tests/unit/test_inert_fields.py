@@ -4,9 +4,9 @@
 - `model.trust_remote_code`: reaches each loader (trainer, critic, engine, convert-ckpt --verify),
   and a model that ships code without it is refused with exit 2;
 - `model.architecture`: the tiny builder dispatches on it;
-- what this version has no code for (Megatron and its parallelism, the reference service on GPUs, multimodal
-  columns) is refused with exit 2 naming the field by `relax validate` and by
-  `relax submit` on every executor, `--dry-run` included, with nothing written.
+- what this version has no code for (Megatron and its parallelism, the reference service on GPUs) is refused
+  with exit 2 naming the field by `relax validate` and by `relax submit` on every executor, `--dry-run`
+  included, with nothing written. The multimodal columns (`data.image_key`, ...) act: test_media.py.
 """
 
 from __future__ import annotations
@@ -152,9 +152,6 @@ UNAVAILABLE = {
     "reference GPUs": ({"mode": "fully_async", "algorithm": {"kl": {"coef": 0.01}},
                         "cluster": {"reference": {"nodes": 1, "gpus_per_node": 1}}},
                        "cluster.reference.gpus_per_node", {}),
-    "image_key": ({"data": {"image_key": "image"}}, "data.image_key", {}),
-    "audio_key": ({"data": {"audio_key": "audio"}}, "data.audio_key", {}),
-    "video_key": ({"data": {"video_key": "video"}}, "data.video_key", {}),
 }
 COMMANDS = {
     "validate": ("validate",),
@@ -174,9 +171,6 @@ def merged(base: dict, change: dict) -> dict:
 def unavailable_recipe(tmp_path: Path, case: str) -> Path:
     change, _, extra = UNAVAILABLE[case]
     data = merged(merged(QUICKSTART, extra), change)
-    if "data" in change:  # the multimodal columns belong to a data file
-        (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "ab", "label": "ab"}) + "\n")
-        data["data"] = {"source": "file", "path": str(tmp_path / "train.jsonl"), **change["data"]}
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -12,7 +12,9 @@ that `relax_core.rollout.client.EngineClient` and the weight-sync path in
 
 Modules: `protocol` (request models), `generate` (request <-> scheduler
 sequences <-> response), `sampling` (next-token sampling and log-probs),
-`kv_batch` (the padded running batch and its KV cache), `batcher` (the
+`media_inputs` (multimodal requests: media decoding and the processor, off
+the event loop), `kv_batch` (the padded running batch and its KV cache,
+multimodal prefill, M-RoPE decode positions), `batcher` (the
 continuous-batching scheduler thread), `weight_loader` (receiving weights over
 torch.distributed or by reference), `memory` (releasing and resuming memory,
 colocate), `server` (the HTTP layer), `__main__` (the command line).

@@ -6,10 +6,12 @@ weight update, ...) to `Batcher.call`; the scheduler thread runs them between
 forward passes. Each iteration of its loop:
 
 1. takes new sequences and control actions from the inbox;
-2. admits waiting sequences (up to `max_running`) with one batched prefill
-   and merges them into the running `KVBatch`;
+2. admits waiting sequences (up to `max_running`): text prompts with one
+   batched prefill, each distinct multimodal prompt with a prefill of its own
+   (the full model: vision / audio towers, M-RoPE), and merges them all into
+   the running `KVBatch` at once;
 3. runs one decode step for every running sequence: a single forward pass,
-   one sampled token per row;
+   one sampled token per row, text and multimodal rows alike;
 4. hands finished sequences back through their `on_done` callback.
 
 So requests that arrive while others are decoding join the next step instead
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from relax_core.models.multimodal import media_marker_ids
 from relax_core.rollout.cpu_engine.kv_batch import KVBatch, ModelRunner
 from relax_core.rollout.cpu_engine.sampling import RowSampling, sample_next
 
@@ -52,6 +55,10 @@ class Sequence:
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0  # prompt tokens whose keys and values came from another row's prefill
+    # A multimodal prompt (`prompt_ids` expanded by the processor): what its prefill
+    # needs (`media_inputs.MediaPrompt`), dropped once prefilled.
+    media: Any = None
+    rope_delta: int = 0  # M-RoPE position of the next token minus its index (0 for text)
 
     @property
     def next_position(self) -> int:
@@ -73,13 +80,16 @@ class BatcherStats:
 class Batcher:
     """Owns the model; runs prefill/decode steps on its own thread."""
 
-    def __init__(self, model, tokenizer, *, max_running: int, seed: int, original_logprob: bool) -> None:
+    def __init__(self, model, tokenizer, *, max_running: int, seed: int, original_logprob: bool,
+                 media_inputs: Callable | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_running = max_running
         self.original_logprob = original_logprob
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, media_inputs)
+        # a model that reads media never samples a media marker (sampling.py)
+        self.banned = media_marker_ids(tokenizer) if media_inputs is not None else []
         self.stats = BatcherStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -200,24 +210,52 @@ class Batcher:
         if room <= 0 or not self.waiting:
             return
         new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        batch, logits = KVBatch.prefill(self.runner, [s.prompt_ids for s in new], self.pad_id)
-        self.stats.prefill_passes += 1
-        seen: set[tuple[int, ...]] = set()
-        for seq in new:  # KVBatch.prefill runs each distinct prompt once
-            key = tuple(seq.prompt_ids)
-            seq.cached_tokens = len(key) if key in seen else 0
-            seen.add(key)
-        alive = self._sample(new, logits)
+        new = [s for s in new if s.media is None] + [s for s in new if s.media is not None]
+        parts, logits = self._prefill_text([s for s in new if s.media is None])
+        media_parts, media_logits = self._prefill_media([s for s in new if s.media is not None])
+        batch = KVBatch.concat(parts + media_parts)
+        alive = self._sample(new, torch.cat(logits + media_logits))
         if len(alive) < len(new):
             batch.keep(alive)
         self.batch.merge(batch)
         self.running += [new[i] for i in alive]
         self.stats.max_running = max(self.stats.max_running, len(self.running))
 
+    def _prefill_text(self, seqs: list[Sequence]) -> tuple[list[KVBatch], list[torch.Tensor]]:
+        if not seqs:
+            return [], []
+        batch, logits = KVBatch.prefill(self.runner, [s.prompt_ids for s in seqs], self.pad_id)
+        self.stats.prefill_passes += 1
+        seen: set[tuple[int, ...]] = set()
+        for seq in seqs:  # KVBatch.prefill runs each distinct prompt once
+            key = tuple(seq.prompt_ids)
+            seq.cached_tokens = len(key) if key in seen else 0
+            seen.add(key)
+        return [batch], [logits]
+
+    def _prefill_media(self, seqs: list[Sequence]) -> tuple[list[KVBatch], list[torch.Tensor]]:
+        """One prefill per distinct multimodal prompt (same ids and media: a group's n
+        samples share it, as in SGLang's prefix cache); one part per sequence."""
+        done: dict[tuple, tuple[KVBatch, torch.Tensor, int]] = {}
+        parts, logits = [], []
+        for seq in seqs:
+            key = seq.media.key
+            if key in done:
+                seq.cached_tokens = len(seq.prompt_ids)
+            else:
+                done[key] = KVBatch.prefill_media(self.runner, seq.prompt_ids, seq.media.tensors)
+                self.stats.prefill_passes += 1
+            batch, row_logits, seq.rope_delta = done[key]
+            seq.media = None
+            parts.append(batch)
+            logits.append(row_logits)
+        return parts, logits
+
     def _decode(self) -> None:
         tokens = [s.output_ids[-1] for s in self.running]
         positions = [s.next_position for s in self.running]
-        logits = self.batch.decode(self.runner, tokens, positions)
+        deltas = [s.rope_delta for s in self.running]
+        logits = self.batch.decode(self.runner, tokens, positions, deltas)
         self.stats.decode_steps += 1
         alive = self._sample(self.running, logits)
         if len(alive) < len(self.running):
@@ -225,7 +263,7 @@ class Batcher:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Append one sampled token to each sequence; return the rows still running."""
-        tokens, logprobs = sample_next(logits, [s.sampling for s in seqs], self.original_logprob)
+        tokens, logprobs = sample_next(logits, [s.sampling for s in seqs], self.original_logprob, self.banned)
         alive = []
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
             seq.output_ids.append(token)

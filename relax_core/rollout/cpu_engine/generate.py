@@ -9,7 +9,8 @@ Sits between the HTTP handler (`server.py`) and the scheduler
                    "weight_version", "e2e_latency",
                    "output_token_logprobs": [[logprob, token_id, None], ...]}}
 
-`output_token_logprobs` is present only with `return_logprob`. As in SGLang,
+`output_token_logprobs` is present only with `return_logprob`. For a
+multimodal item `prompt_tokens` counts the expanded prompt, as in SGLang. As in SGLang,
 `output_ids` keep the matched stop/EOS token while `text` is cut before a
 matched stop string (or drops a matched stop token) unless `no_stop_trim`.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_core.rollout.cpu_engine.batcher import Batcher, Sequence
+from relax_core.rollout.cpu_engine.media_inputs import MediaPrompt
 from relax_core.rollout.cpu_engine.protocol import GenerateReqInput, SamplingParams
 from relax_core.rollout.cpu_engine.sampling import RowSampling
 
@@ -39,24 +41,38 @@ def build_sequences(
     tokenizer,
     batcher: Batcher,
     limits: ModelLimits,
+    media: list[tuple[list[int], MediaPrompt] | None] | None = None,
 ) -> tuple[list[Sequence], list[SamplingParams], list[bool]]:
     """One `Sequence` per item of the request (the caller sets `on_done`);
-    raises ValueError on bad input."""
+    raises ValueError on bad input.
+
+    `media` holds, for each item with media, its expanded ids and prefill inputs
+    (`MediaPreprocessor.prepare`); those ids replace the item's prompt.
+    """
     prompts = _prompts(req, tokenizer)
     n = len(prompts)
+    media = media or [None] * n
+    prompts = [p if m is None else m[0] for p, m in zip(prompts, media)]
     params = [SamplingParams.model_validate(p) for p in req.per_item(n, "sampling_params", {})]
     logprob_flags = [bool(x) for x in req.per_item(n, "return_logprob", False)]
     rids = _rids(req, n, batcher)
     seqs = [_sequence(rid, ids, p, batcher, limits) for rid, ids, p in zip(rids, prompts, params)]
+    for seq, m in zip(seqs, media):
+        seq.media = None if m is None else m[1]
     return seqs, params, logprob_flags
 
 
-def _prompts(req: GenerateReqInput, tokenizer) -> list[list[int]]:
+def unexpanded_prompts(req: GenerateReqInput) -> list[str | list[int]]:
+    """Each item's prompt as sent: text or ids."""
     if req.input_ids is not None:
-        prompts = req.input_ids if req.is_batch else [req.input_ids]
-    else:
-        texts = req.text if req.is_batch else [req.text]
-        prompts = [tokenizer.encode(t, add_special_tokens=True) for t in texts]
+        return list(req.input_ids) if req.is_batch else [req.input_ids]
+    return list(req.text) if req.is_batch else [req.text]
+
+
+def _prompts(req: GenerateReqInput, tokenizer) -> list[list[int]]:
+    prompts = unexpanded_prompts(req)
+    if req.input_ids is None:
+        prompts = [tokenizer.encode(t, add_special_tokens=True) for t in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("Every prompt must have at least one token.")
     return [list(p) for p in prompts]

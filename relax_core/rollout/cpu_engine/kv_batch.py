@@ -21,6 +21,7 @@ columns run out (then the spare doubles), so that cost is amortised.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -30,27 +31,49 @@ MIN_SPARE_COLUMNS = 32
 
 
 class ModelRunner:
-    """Calls the causal LM and counts forward passes."""
+    """Calls the model and counts forward passes.
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    For a multimodal model (`media_inputs` given: `relax_core.models.multimodal.model_inputs`)
+    positions are M-RoPE's: a text row's are its token index on every axis, a
+    multimodal row's are computed at prefill and continue at decode as token index +
+    the row's rope delta (see `positions`).
+    """
+
+    def __init__(self, model: torch.nn.Module, media_inputs: Callable | None = None) -> None:
         self.model = model
+        self.media_inputs = media_inputs
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed `past_key_values` to `cache`.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # Not every model takes it (Qwen3-Omni's thinker computes all logits).
+        self._keep_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.forward_passes = 0
 
-    def last_logits(self, input_ids, mask, positions, cache) -> torch.Tensor:
+    def last_logits(self, input_ids, mask, positions, cache, **media) -> torch.Tensor:
         """Logits [B, V] of the last position of each row; extends `cache`."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            **self._keep_kw,
+            **media,
             **{self._cache_kw: cache},
         )
         self.forward_passes += 1
         return out.logits[:, -1, :]
+
+    def positions(self, index: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Position ids of decode tokens at token `index` [B, 1] of rows with rope `deltas` [B].
+
+        A text model takes `index`; an M-RoPE model (transformers' Qwen3-VL / Omni
+        layout) takes 4 rows: the token index (for the attention mask), then the
+        temporal, height and width positions, all index + delta once past the media.
+        """
+        if self.media_inputs is None:
+            return index
+        shifted = index + deltas.unsqueeze(-1)
+        return torch.stack([index, shifted, shifted, shifted])
 
 
 class KVBatch:
@@ -86,24 +109,47 @@ class KVBatch:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         logits = runner.last_logits(ids, mask, positions, cache)
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
-            raise NotImplementedError("the CPU engine supports full-attention KV caches only")
-        batch = cls()
-        keys, values = [la.keys for la in cache.layers], [la.values for la in cache.layers]
+        keys, values = _cache_tensors(cache)
         if len(unique) < len(prompts):
             index = torch.tensor(rows)
             keys, values = [k[index] for k in keys], [v[index] for v in values]
             mask, logits = mask[index], logits[index]
+        batch = cls()
         batch._fill([(keys, values, mask)])
         return batch, logits
 
-    def decode(self, runner: ModelRunner, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One forward of the last token of every row; returns logits [B, V]."""
+    @classmethod
+    def prefill_media(cls, runner: ModelRunner, prompt: list[int], tensors: dict) -> tuple[KVBatch, torch.Tensor, int]:
+        """Run one multimodal prompt through the full model (vision / audio towers,
+        deepstack features, M-RoPE positions); returns its batch, logits [1, V] and rope delta."""
+        ids = torch.tensor([prompt])
+        inputs = runner.media_inputs(runner.model, ids, torch.ones_like(ids), [tensors])
+        positions = inputs.pop("position_ids")  # [4, 1, L]: token index, then t / h / w
+        delta = int(positions[1:].max()) + 1 - len(prompt)  # get_rope_index's rope delta
+        cache = DynamicCache()
+        logits = runner.last_logits(inputs.pop("input_ids"), inputs.pop("attention_mask"), positions, cache, **inputs)
+        keys, values = _cache_tensors(cache)
+        batch = cls()
+        batch._fill([(keys, values, torch.ones_like(ids))])
+        return batch, logits, delta
+
+    @classmethod
+    def concat(cls, parts: list[KVBatch]) -> KVBatch:
+        """The rows of `parts` in order (a part may repeat: its rows are copied again)."""
+        if len(parts) == 1:
+            return parts[0]
+        batch = cls()
+        batch._fill([p._live() for p in parts])
+        return batch
+
+    def decode(self, runner: ModelRunner, tokens: list[int], positions: list[int], deltas: list[int]) -> torch.Tensor:
+        """One forward of the last token of every row (at token index `positions`,
+        rope `deltas`, see `ModelRunner.positions`); returns logits [B, V]."""
         if self.end == self.mask.shape[1]:
             self._fill([self._live()])  # out of spare columns: copy into a bigger buffer
         self.mask[:, self.end] = 1
         ids = torch.tensor(tokens).unsqueeze(-1)
-        pos = torch.tensor(positions).unsqueeze(-1)
+        pos = runner.positions(torch.tensor(positions).unsqueeze(-1), torch.tensor(deltas))
         logits = runner.last_logits(ids, self.mask[:, self.start : self.end + 1], pos, self.cache)
         self.end += 1
         return logits
@@ -164,6 +210,12 @@ class KVBatch:
         cache = DynamicCache()
         cache.layers = [_SlabLayer(self, i) for i in range(self.keys.shape[0])]
         self.cache = cache
+
+
+def _cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        raise NotImplementedError("the CPU engine supports full-attention KV caches only")
+    return [la.keys for la in cache.layers], [la.values for la in cache.layers]
 
 
 class _SlabLayer(DynamicLayer):

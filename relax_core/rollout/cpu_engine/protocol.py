@@ -35,7 +35,19 @@ _UNSUPPORTED_SAMPLING = {
 }
 
 # Request fields SGLang accepts that this engine does not implement.
-_UNSUPPORTED_REQUEST = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path")
+_UNSUPPORTED_REQUEST = ("input_embeds", "lora_path")
+
+# The media fields of `GenerateReqInput`, by modality.
+MEDIA_FIELDS = {"image": "image_data", "video": "video_data", "audio": "audio_data"}
+
+# One media item: a data URI, base64 string, file path or file:// URL (SGLang's
+# `load_image` / `load_video` / `load_audio` strings). SGLang's other forms (PIL
+# images, bytes, precomputed-embedding dicts) cannot come over HTTP as JSON.
+MediaItem = str
+# SGLang's `MultimodalDataInputFormat` restricted to strings: one item, a list
+# (a single request's items, or one item per request of a batch) or a list of
+# lists (each request's items); None (or [None]) is "no media" for that request.
+MediaData = MediaItem | list[MediaItem | None | list[MediaItem | None]]
 
 
 class SamplingParams(BaseModel):
@@ -86,7 +98,7 @@ class SamplingParams(BaseModel):
 
 
 class GenerateReqInput(BaseModel):
-    """Body of `POST /generate` (SGLang `GenerateReqInput`, the non-multimodal subset)."""
+    """Body of `POST /generate` (SGLang `GenerateReqInput`, the subset this engine implements)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -98,6 +110,9 @@ class GenerateReqInput(BaseModel):
     top_logprobs_num: int | list[int] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
+    image_data: MediaData | None = None
+    video_data: MediaData | None = None
+    audio_data: MediaData | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateReqInput:
@@ -119,6 +134,16 @@ class GenerateReqInput(BaseModel):
             return isinstance(self.text, list)
         return bool(self.input_ids) and isinstance(self.input_ids[0], list)
 
+    @property
+    def has_media(self) -> bool:
+        return any(getattr(self, f) not in (None, []) for f in MEDIA_FIELDS.values())
+
+    def media_per_item(self, n: int) -> list[dict[str, list[str]]]:
+        """Each item's media by modality (`{"image": [...], "video": [...], "audio": [...]}`), as SGLang
+        normalises them (`GenerateReqInput._normalize_*_data`, then the tokenizer manager's wrapping)."""
+        per_field = {m: _media_of_items(getattr(self, f), n, self.is_batch, f) for m, f in MEDIA_FIELDS.items()}
+        return [{m: items[i] for m, items in per_field.items()} for i in range(n)]
+
     def per_item(self, n: int, field: str, default: Any) -> list[Any]:
         """The value of `field` for each of the `n` items (a scalar is shared)."""
         value = getattr(self, field)
@@ -128,6 +153,23 @@ class GenerateReqInput(BaseModel):
         if len(items) != n:
             raise ValueError(f"{field} has {len(items)} entries for a batch of {n}.")
         return items
+
+
+def _media_of_items(value: MediaData | None, n: int, batch: bool, field: str) -> list[list[str]]:
+    """SGLang's shapes: a single request takes one item or a list of items; a batch takes one item
+    (every request gets it), a list with one entry per request (an item, a list of items, or None)."""
+    if value is None or value == []:
+        return [[] for _ in range(n)]
+    if not batch:
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(x, str) for x in items):
+            raise ValueError(f"{field} of a single request is one item or a list of items (strings).")
+        return [list(items)]
+    if isinstance(value, str):
+        return [[value] for _ in range(n)]
+    if len(value) != n:
+        raise ValueError(f"The length of {field} should be equal to the batch size ({len(value)} != {n}).")
+    return [[] if e is None else [e] if isinstance(e, str) else [x for x in e if x is not None] for e in value]
 
 
 def _as_list(value: Any, n: int) -> list[Any]:

@@ -12,6 +12,13 @@ they report `log_softmax(logits)`. With `SGLANG_RETURN_ORIGINAL_LOGPROB=1` in
 the engine's environment, `log_softmax(logits)` is reported for every row, as
 SGLang does. At temperature 1 the two agree, which is what RL recipes use.
 
+A model that reads media never samples a media marker (`<|image_pad|>`,
+`<|vision_start|>`, ...: `banned`): in a response such a token would be read
+as a placeholder by the processor's forward in the trainer, which then finds
+more placeholders than images. Real checkpoints do not emit them; a tiny
+random one does. The reported log-prob stays the model's own (unmasked), so
+it equals the trainer's; only the draw skips them.
+
 Each sampled row draws its uniform number from its own `torch.Generator`, so
 a request with a fixed `sampling_seed` gets the same tokens whatever else is
 in the batch (up to floating-point differences of batched matmuls).
@@ -37,9 +44,9 @@ class RowSampling:
 
 
 def sample_next(
-    logits: torch.Tensor, rows: list[RowSampling], original_logprob: bool = False
+    logits: torch.Tensor, rows: list[RowSampling], original_logprob: bool = False, banned: list[int] | None = None
 ) -> tuple[list[int], list[float]]:
-    """Sample one token per row of `logits` [B, V].
+    """Sample one token per row of `logits` [B, V], never one of `banned`.
 
     Returns:
         The sampled token ids and their log-probs (see the module docstring).
@@ -47,14 +54,18 @@ def sample_next(
     logits = logits.float()
     temps = [1.0 if r.greedy else r.temperature for r in rows]
     scaled = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps).unsqueeze(-1)
+    drawn_from, argmax_of = scaled, logits
+    if banned:
+        drawn_from, argmax_of = scaled.clone(), logits.clone()
+        drawn_from[:, banned] = argmax_of[:, banned] = float("-inf")
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if len(sampled) == len(rows):  # the usual RL batch: no greedy row, no scatter
-        tokens = _sample_rows(torch.softmax(scaled, dim=-1), rows)
+        tokens = _sample_rows(torch.softmax(drawn_from, dim=-1), rows)
     else:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_of.argmax(dim=-1)
         if sampled:
             index = torch.tensor(sampled)
-            tokens[index] = _sample_rows(torch.softmax(scaled[index], dim=-1), [rows[i] for i in sampled])
+            tokens[index] = _sample_rows(torch.softmax(drawn_from[index], dim=-1), [rows[i] for i in sampled])
     # log_softmax at the sampled token only: no [B, V] log-prob tensor.
     base = logits if original_logprob else scaled
     chosen = base.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - base.logsumexp(dim=-1)

@@ -8,6 +8,11 @@ effect between two forward passes. Status codes and bodies follow SGLang's
 `http_server.py`: errors are `{"error": {"message": ...}}` with 400, control
 endpoints answer `{"success": bool, "message": str}`.
 
+Multimodal requests (`media_inputs.py`): a `/generate` with `image_data`,
+`video_data` or `audio_data` has its media decoded and its prompt expanded
+by the model's processor on a worker thread before it is submitted; a
+text-only model or bad media answer 400 naming the field and item.
+
 Pause semantics (SGLang's): while paused, new `/generate` requests wait until
 `/continue_generation`; in-flight ones are aborted (mode "abort", the
 default) or kept and resumed (modes "in_place" / "retract").
@@ -32,7 +37,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from relax_core.rollout.cpu_engine.batcher import Batcher, Sequence
-from relax_core.rollout.cpu_engine.generate import ModelLimits, build_response, build_sequences
+from relax_core.rollout.cpu_engine.generate import ModelLimits, build_response, build_sequences, unexpanded_prompts
+from relax_core.rollout.cpu_engine.media_inputs import MediaPreprocessor
 from relax_core.rollout.cpu_engine.memory import MemoryReleased, MemorySaver
 from relax_core.rollout.cpu_engine.protocol import (
     AbortReq,
@@ -85,6 +91,7 @@ class EngineState:
     loader: WeightLoader
     memory: MemorySaver
     weight_version: str = "default"
+    media: MediaPreprocessor | None = None  # None: a text-only model
     update_session: bool = False  # between /begin_weight_update and /end_weight_update
     groups: dict[str, Any] = field(default_factory=dict)
     # /generate items accepted and not yet answered (waiting for a resume,
@@ -205,8 +212,9 @@ def _add_generate_routes(app: FastAPI, state: EngineState) -> None:
         items = _num_items(req)
         state.in_flight += items
         try:
+            media = await _prepare_media(state, req, items)
             await state.resumed.wait()
-            outputs = await _run_generate(state, req)
+            outputs = await _run_generate(state, req, media)
         except ValueError as exc:
             return error_response(str(exc))
         except MemoryReleased as exc:
@@ -221,12 +229,30 @@ def _num_items(req: GenerateReqInput) -> int:
     return len(prompts) if req.is_batch else 1
 
 
-async def _run_generate(state: EngineState, req: GenerateReqInput) -> list[dict[str, Any]]:
+async def _prepare_media(state: EngineState, req: GenerateReqInput, n: int) -> list | None:
+    """Each item's expanded ids and prefill inputs (None: no media), made on the
+    preprocessor's thread; None for a request without media."""
+    if not req.has_media:
+        return None
+    if state.media is None:
+        raise ValueError(f"The model at {state.model_path} is text-only: it takes no image_data, video_data "
+                         "or audio_data.")
+    per_item = req.media_per_item(n)
+    prompts = unexpanded_prompts(req)
+
+    def prepare() -> list:
+        return [state.media.prepare(p, m, f" (item {i} of the batch)" if req.is_batch else "")
+                if any(m.values()) else None for i, (p, m) in enumerate(zip(prompts, per_item))]
+
+    return await asyncio.get_running_loop().run_in_executor(state.media.executor, prepare)
+
+
+async def _run_generate(state: EngineState, req: GenerateReqInput, media: list | None = None) -> list[dict[str, Any]]:
     """Submit every item of `req` and wait for all; no await before submit, so a
     pause that starts later always sees these sequences in the scheduler."""
     state.memory.check_serving()
     loop = asyncio.get_running_loop()
-    seqs, params, logprob_flags = build_sequences(req, state.tokenizer, state.batcher, state.limits)
+    seqs, params, logprob_flags = build_sequences(req, state.tokenizer, state.batcher, state.limits, media)
     futures = [loop.create_future() for _ in seqs]
     for seq, future in zip(seqs, futures):
         seq.on_done = _resolver(loop, future)
@@ -468,31 +494,40 @@ def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: in
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from relax_core.models import multimodal
+
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype),
-                                                 trust_remote_code=trust_remote_code)
+    text_only = multimodal.family(model_path) == "text"
+    if text_only:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(dtype),
+                                                     trust_remote_code=trust_remote_code)
+    else:  # Qwen3-VL, or Qwen3-Omni's thinker
+        model = multimodal.load_policy(model_path, dtype=str(parse_dtype(dtype)).removeprefix("torch."))
     model.eval().requires_grad_(False)
-    _check_full_attention(model.config)
+    text_config = model.config.get_text_config()
+    _check_full_attention(text_config)
     batcher = Batcher(
         model,
         tokenizer,
         max_running=max_running,
         seed=seed,
         original_logprob=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"),
+        media_inputs=None if text_only else multimodal.model_inputs,
     )
     batcher.start()
     limits = ModelLimits(
-        context_length=model.config.max_position_embeddings,
-        vocab_size=model.config.vocab_size,
+        context_length=text_config.max_position_embeddings,
+        vocab_size=text_config.vocab_size,
         eos_ids=_eos_ids(model, tokenizer),
     )
     memory = MemorySaver(model, enable_memory_saver)
-    return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), memory, weight_version)
+    media = None if text_only else MediaPreprocessor(model_path)
+    return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), memory, weight_version, media)
 
 
-def _check_full_attention(config) -> None:
-    kinds = set(getattr(config.get_text_config(), "layer_types", None) or ["full_attention"])
+def _check_full_attention(text_config) -> None:
+    kinds = set(getattr(text_config, "layer_types", None) or ["full_attention"])
     if kinds != {"full_attention"}:
         raise SystemExit(f"The CPU engine supports full-attention models only; this one has {sorted(kinds)}.")
 
