@@ -61,6 +61,7 @@ class Job:
         self.bus = None  # TransferQueue (asynchronous modes)
         self.services = None  # relax_core.services.launch.ServiceSet (asynchronous modes)
         self.rows_trained = 0  # asynchronous modes: rows trained on by this driver (for the queue depth)
+        self._media = None  # the media workers of the rollout managers this process makes (prompt_prep.py)
         try:
             self._start_processes()
             self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.tensorboard else None,
@@ -177,7 +178,9 @@ class Job:
         clients = self.clients_for(self.engines.endpoints())
         system = self.recipe.data.system_prompt if isinstance(self.recipe.data, FileData) else None
         sampling = setup.sampling_config(self.recipe)
-        return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system)
+        if self._media is None:
+            self._media = setup.media_prompts(self.recipe, self.model_dir)
+        return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system, self._media)
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:
@@ -297,6 +300,8 @@ class Job:
             self.rollout_manager.close(self.loop)
         if hasattr(self, "reward_hub"):
             self.reward_hub.close()
+        if self._media is not None:
+            self._media.close()
         if hasattr(self, "tracker"):
             self.tracker.close()
         self.loop.close()

@@ -130,7 +130,8 @@ def _torch_backend(recipe: Recipe) -> dict:
     gpus = recipe.cluster.train.gpus_per_node > 0
     return {"device": "cuda" if gpus else "cpu", "fsdp": train.fsdp if train.fsdp is not None else gpus,
             "recompute_activations": train.recompute_activations,
-            "max_tokens_per_micro_batch": train.max_tokens_per_gpu}
+            "max_tokens_per_micro_batch": train.max_tokens_per_gpu,
+            "freeze_vision": train.freeze_vision, "freeze_audio": train.freeze_audio}
 
 
 def _critic(algo) -> dict:
@@ -147,6 +148,20 @@ def _teacher(algo) -> dict:
     if teacher is None:
         return {}
     return {"teacher_path": str(resolve_model_path(teacher.path)), "teacher_dtype": teacher.dtype}
+
+
+def media_prompts(recipe: Recipe, model_dir: Path):
+    """What prepares the rows with images, video or audio (rollout/prompt_prep.py); None for text data."""
+    from relax_core.data.prompts import media_view
+
+    data = media_view(recipe.data)
+    if data is None:
+        return None
+    from relax_core.data.media import MediaBounds
+    from relax_core.rollout.prompt_prep import MediaPrompts
+
+    return MediaPrompts(str(model_dir), MediaBounds.from_data(data), data.system_prompt,
+                        recipe.rollout.max_prompt_len, recipe.rollout.media_workers, trust_remote_code(recipe))
 
 
 def sampling_config(recipe: Recipe):

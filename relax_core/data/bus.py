@@ -16,7 +16,9 @@ one `Sample` spread over columns. Token ids, log-probs, loss mask and scalars
 travel as plain Python values, one per row (cheaper for TransferQueue than a
 small tensor per row: `_to_columns`), and the free-form columns (finish_reason,
 label, metadata) as JSON strings, so they come back exactly (JSON types: a
-tuple comes back as a list).
+tuple comes back as a list). A multimodal sample's processor tensors
+(pixel values, audio features, grid sizes) travel as they are, one dict of
+tensors per row (None for a text sample), never through JSON.
 
 A service's column is either one number per row (advantages) or one number
 per response token (reference log-probs: a list per row, as the log-probs).
@@ -49,7 +51,7 @@ from typing import Any
 from relax_core.rollout.types import Sample
 
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
-                  "policy_version", "sample_id", "finish_reason", "label", "metadata")
+                  "policy_version", "sample_id", "finish_reason", "label", "metadata", "multimodal")
 # services' (and the trainer's) columns with one value per response token
 TOKEN_COLUMNS = frozenset({"ref_logprobs", "old_logprobs", "values", "returns"})
 TRAINER = "trainer"  # the consumer the trainer ranks' rows are claimed for
@@ -283,6 +285,7 @@ def _to_columns(samples: list[Sample]):
         "reward": values("reward", float), "group_id": values("group_id", int),
         "policy_version": values("policy_version", int), "sample_id": values("sample_id", int),
         "finish_reason": text("finish_reason"), "label": text("label"), "metadata": text("metadata"),
+        "multimodal": plain_column([s.multimodal for s in samples]),
     }, batch_size=len(samples))
 
 
@@ -327,5 +330,5 @@ def _samples_of(cols: dict[str, list]) -> list[Sample]:
                    policy_version=int(scalar(cols["policy_version"][i])),
                    sample_id=int(scalar(cols["sample_id"][i])),
                    finish_reason=json.loads(cols["finish_reason"][i]), label=json.loads(cols["label"][i]),
-                   metadata=json.loads(cols["metadata"][i]))
+                   metadata=json.loads(cols["metadata"][i]), multimodal=cols["multimodal"][i])
             for i in range(n)]

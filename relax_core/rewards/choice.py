@@ -1,7 +1,8 @@
 """`multiple_choice`: GPQA/MMLU-style option letter extraction from free text.
 
 Models answer "The answer is (C)", "I'd go with C).", "My choice: (D)",
-"**C** is correct", "C) 42", "\\boxed{C}", "So: C)" or just "C". The extractor
+"**C** is correct", "C) 42", "\\boxed{C}", "So: C)" or just "C", or wrap it in
+`<answer>` tags ("<answer> C </answer>": its content is what counts). The extractor
 tries, in order: a response that is one letter; the last `\\boxed{}`; the last
 statement that commits to a letter (models revise, so the last one wins);
 a bold letter; an option letter opening a line. A statement that names two
@@ -42,6 +43,7 @@ _BOLD = re.compile(r"\*\*\(?([A-J])\)?[\).:]?\*\*")
 _LEADING = re.compile(r"^[ \t]*(?:\(([A-J])\)|([A-J])[\).:])", re.MULTILINE)
 _ONLY = re.compile(r"^\W*([A-Ja-j])\W*$")
 _FIRST = re.compile(rf"^\W*?{_LETTER}")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 @reward("multiple_choice", in_process=True)
@@ -52,8 +54,13 @@ def multiple_choice(response: str, label: Any, metadata: dict | None = None) -> 
 
 
 def extract_choice(text: str) -> str | None:
-    """The single option letter (upper case) `text` commits to, or None (no answer, or a hedge)."""
+    """The single option letter (upper case) `text` commits to, or None (no answer, or a hedge). A response
+    (or label) with `<answer>...</answer>` tags, as R1-style system prompts ask for, is judged by what
+    its last tags hold."""
     text = strip_think(text).strip()
+    tagged = _ANSWER_TAG.findall(text)
+    if tagged:
+        text = tagged[-1].strip()
     only = _ONLY.match(text)
     if only:
         return only.group(1).upper()

@@ -3,7 +3,9 @@
 A `Sample` is produced by the rollout manager (one per generated response),
 scored by the reward hub, and consumed by the trainer. It is plain Python data
 (lists, not tensors) so it crosses process boundaries (Ray, TransferQueue)
-cheaply and without torch on the sending side.
+cheaply and without torch on the sending side; the one exception is
+`multimodal`, the processor's tensors of a prompt's images, video and audio,
+which travel as tensors (TransferQueue stores them as objects, never as JSON).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class Sample:
         finish_reason: "stop" (EOS or a stop token), "length" or "abort".
         sample_id: unique within a run (derived from step, round and position), so
             a sample can be followed from generation to the trainer.
+        multimodal: the model inputs the processor made from the prompt's media
+            (`pixel_values`, `image_grid_thw`, `pixel_values_videos`,
+            `video_grid_thw`, `input_features`, `feature_attention_mask`, ...:
+            CPU tensors, `models/multimodal.py`), matching the expanded
+            placeholders in `prompt_ids`; None for a text prompt.
     """
 
     prompt_ids: list[int]
@@ -47,6 +54,7 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     finish_reason: str = "length"
     sample_id: int = -1
+    multimodal: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.loss_mask:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from relax_core.models.multimodal import pad_token_id
 from relax_core.rollout.types import Sample
 
 REFERENCE_COLUMN, ADVANTAGE_COLUMN, OLD_LOGP_COLUMN = "ref_logprobs", "advantages", "old_logprobs"
@@ -85,7 +86,7 @@ class _FieldWorker:
 class ReferenceWorker(_FieldWorker):
     """Log-probs of every response token under the frozen reference model."""
 
-    consumer, inputs, output = "reference", ("prompt_ids", "response_ids"), REFERENCE_COLUMN
+    consumer, inputs, output = "reference", ("prompt_ids", "response_ids", "multimodal"), REFERENCE_COLUMN
 
     def __init__(self, model_dir: str, dtype: str, micro_batch_size: int, threads: int = 1,
                  cpus: list[int] | None = None, trust_remote_code: bool = False):
@@ -93,7 +94,7 @@ class ReferenceWorker(_FieldWorker):
         from relax_core.train.torch_backend import load_causal_lm
 
         self.model = load_causal_lm(model_dir, dtype, "cpu", trust_remote_code).requires_grad_(False)
-        self.pad_id = self.model.config.pad_token_id or 0
+        self.pad_id = pad_token_id(self.model)
         self.micro_batch_size = micro_batch_size
 
     def compute(self, columns: dict[str, list]) -> list[list[float]]:
@@ -106,11 +107,20 @@ class ActorForwardWorker(ReferenceWorker):
     A threaded actor: `set_weights` arrives while `process` waits for a version new enough.
     """
 
-    consumer, inputs, output = "actor_forward", ("prompt_ids", "response_ids", "policy_version"), OLD_LOGP_COLUMN
+    consumer, inputs, output = "actor_forward", ("prompt_ids", "response_ids", "multimodal", "policy_version"), \
+        OLD_LOGP_COLUMN
 
     def __init__(self, model_dir: str, dtype: str, micro_batch_size: int, threads: int = 1,
-                 cpus: list[int] | None = None, trust_remote_code: bool = False, version: int = 0):
+                 cpus: list[int] | None = None, trust_remote_code: bool = False, version: int = 0,
+                 frozen: tuple[bool, bool] = (False, False)):
+        """`frozen`: the trainer's (`freeze_vision`, `freeze_audio`); the actor's weights then come without
+        those encoders, which stay as the model directory has them here too."""
         super().__init__(model_dir, dtype, micro_batch_size, threads, cpus, trust_remote_code)
+        self.frozen: set[str] = set()
+        if any(frozen):
+            from relax_core.models.multimodal import freeze
+
+            self.frozen = set(freeze(self.model, vision=frozen[0], audio=frozen[1]))
         self.version = version  # of the weights held: the model directory's are the run's start
         self.versions_used: dict[int, int] = {}  # step -> version its log-probs came from (tests, logs)
         self._cond = threading.Condition()
@@ -123,7 +133,8 @@ class ActorForwardWorker(ReferenceWorker):
         with self._cond:
             if version > self.version:
                 state = dict(named)
-                missing = [name for name, _ in self.model.named_parameters() if name not in state]
+                missing = [name for name, _ in self.model.named_parameters()
+                           if name not in state and name not in self.frozen]
                 if missing:
                     raise ValueError(f"actor weights of version {version} lack {missing[:3]}")
                 self.model.load_state_dict(state, strict=False)
@@ -160,14 +171,15 @@ class ActorForwardWorker(ReferenceWorker):
 
 
 def token_logprobs(model, pad_id: int, micro_batch_size: int, columns: dict[str, list]) -> list[list[float]]:
-    """`model`'s log-prob of every response token of the rows (`prompt_ids`, `response_ids` columns),
-    packed and run as the trainer does (train/batching.py)."""
+    """`model`'s log-prob of every response token of the rows (`prompt_ids`, `response_ids` and, for
+    rows with media, `multimodal` columns), packed and run as the trainer does (train/batching.py)."""
     import torch
 
     from relax_core.train.batching import chunks, forward_logprobs, pack
 
-    rows = [Sample(prompt_ids=p, response_ids=r, rollout_logprobs=[])
-            for p, r in zip(columns["prompt_ids"], columns["response_ids"])]
+    media = columns.get("multimodal") or [None] * len(columns["prompt_ids"])
+    rows = [Sample(prompt_ids=p, response_ids=r, rollout_logprobs=[], multimodal=m)
+            for p, r, m in zip(columns["prompt_ids"], columns["response_ids"], media)]
     out: list[list[float]] = []
     with torch.no_grad():
         for part in chunks(rows, micro_batch_size):

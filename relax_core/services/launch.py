@@ -101,7 +101,7 @@ class ServiceSet:
             worker = ray.remote(max_concurrency=2)(ActorForwardWorker)
             services.actor_forward = worker.options(**beside(ray, trainer0)).remote(
                 model_dir, recipe.model.dtype, recipe.train.micro_batch_size, train_threads, idle_cores(cpu_sets),
-                setup.trust_remote_code(recipe))
+                setup.trust_remote_code(recipe), 0, _frozen(recipe))
             services.downstream.append(Downstream("actor_forward", services.actor_forward))
             services.fields += (OLD_LOGP_COLUMN,)
         if critic_service(recipe):  # beside trainer rank 0 too: it trains on the same mini-batches
@@ -168,3 +168,8 @@ def node_name(ray, node_id: str) -> str:
             names = [key.removeprefix("relax_node_") for key in node["Resources"] if key.startswith("relax_node_")]
             return names[0] if names else node["NodeManagerAddress"]
     return node_id[:8]
+
+
+def _frozen(recipe) -> tuple[bool, bool]:
+    """The trainer's (`freeze_vision`, `freeze_audio`): encoders the actor's weights come without."""
+    return (getattr(recipe.train, "freeze_vision", False), getattr(recipe.train, "freeze_audio", False))

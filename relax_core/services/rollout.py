@@ -84,6 +84,7 @@ class RolloutService:
         self.prompts = build_prompt_source(recipe.data)
         self.tokenizer = tokenizer
         self.system = recipe.data.system_prompt if isinstance(recipe.data, FileData) else None
+        self.media = setup.media_prompts(recipe, model_dir)  # its worker processes start on first use
         self.reward_hub = self.manager = self.bus = None
         self.engine_version = 0
         self.downstream: list[Downstream] = []
@@ -124,7 +125,7 @@ class RolloutService:
         self.prompts.load_state_dict(data_state)
         self.reward_hub = RewardHub.from_config(self.recipe.reward, judge=judge)
         self.manager = RolloutManager(self._clients(endpoints), self.tokenizer, setup.sampling_config(self.recipe),
-                                      self.reward_hub, self.system)
+                                      self.reward_hub, self.system, self.media)
         self.engine_version = self._version = engine_version
         self.downstream = downstream
         self._thread = threading.Thread(target=self._run, args=(first, last), name="relax-rollout", daemon=True)
@@ -181,6 +182,8 @@ class RolloutService:
             self.manager.close(self.loop)
         if self.reward_hub is not None:
             self.reward_hub.close()
+        if self.media is not None:
+            self.media.close()
         if self.bus is not None:
             self.bus.close()
         self.loop.close()

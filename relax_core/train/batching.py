@@ -83,6 +83,10 @@ class MicroBatch:
         loss_mask: `[B, R]` float, 1 where the token exists and its
             `Sample.loss_mask` is 1 (the tokens that are learned from).
         rollout_logprobs: `[B, R]` the engine's log-probs (0 at padding).
+        multimodal: each row's processor tensors (`Sample.multimodal`, {}
+            for a text row) when any row has media; None for a text batch.
+            The forward turns them into the model's vision/audio inputs and
+            its M-RoPE position ids (`models/multimodal.py: model_inputs`).
     """
 
     input_ids: torch.Tensor
@@ -94,6 +98,7 @@ class MicroBatch:
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
     packed: bool = False
+    multimodal: list[dict] | None = None
 
     def at_logits(self, per_position: torch.Tensor) -> torch.Tensor:
         """`[B, R, X]`: the rows of a `[B, L, X]` (packed: `[1, T, X]`) model output that predict
@@ -120,9 +125,13 @@ def pack(
 
     Right padding keeps every real token at positions 0..len-1, so position
     ids are a plain arange and causal attention never looks at padding.
+    A batch with media is always padded (M-RoPE positions are computed per
+    row from its image and audio grids, which a packed row would mix).
     """
     for i, s in enumerate(samples):
         _check_sample(s, i)
+    multimodal = [s.multimodal or {} for s in samples] if any(s.multimodal for s in samples) else None
+    packed = packed and multimodal is None
     lengths = [len(s.prompt_ids) + s.response_len for s in samples]
     sequences = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
     if packed:  # sample i starts where sample i-1 ended
@@ -142,7 +151,7 @@ def pack(
         attention_mask = attention_mask.to(device)
     per_response = _response_fields(samples, starts, pad_id)
     return MicroBatch(input_ids.to(device), attention_mask, position_ids.to(device),
-                      *(t.to(device) for t in per_response), packed=packed)
+                      *(t.to(device) for t in per_response), packed=packed, multimodal=multimodal)
 
 
 def _response_fields(samples: Sequence[Sample], starts: list[int], pad_id: int) -> tuple[torch.Tensor, ...]:
@@ -203,10 +212,11 @@ def forward_logprobs(
     model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool = False
 ):
     """Run the model on a micro-batch and return `response_logprobs` of its logits."""
-    out = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        use_cache=False,
-    )
+    if mb.multimodal is not None:
+        from relax_core.models.multimodal import model_inputs
+
+        inputs = model_inputs(model, mb.input_ids, mb.attention_mask, mb.multimodal)
+    else:
+        inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
+    out = model(**inputs, use_cache=False)
     return response_logprobs(out.logits, mb, with_entropy=with_entropy)

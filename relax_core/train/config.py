@@ -73,6 +73,8 @@ class TorchTrainerConfig:
         device: torch device string ("cpu" here; "cuda" on a GPU node).
         fsdp: shard the policy over the data-parallel ranks with FSDP2 (train/sharding.py).
         recompute_activations: recompute each decoder layer's activations in the backward pass.
+        freeze_vision / freeze_audio: the vision / audio encoder keeps its initial weights (no gradient, no
+            optimizer state, not sent to the engines).
         max_tokens_per_micro_batch: micro-batches hold at most this many tokens (and at most
             `micro_batch_size` samples), packed into one row without padding; None: padded
             micro-batches of `micro_batch_size` samples.
@@ -121,6 +123,8 @@ class TorchTrainerConfig:
     device: str = "cpu"
     fsdp: bool = False
     recompute_activations: bool = False
+    freeze_vision: bool = False
+    freeze_audio: bool = False
     max_tokens_per_micro_batch: int | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None

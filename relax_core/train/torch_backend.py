@@ -46,6 +46,7 @@ import torch.distributed as dist
 from relax_core.algorithms import registry
 from relax_core.algorithms.losses import tis_weight
 from relax_core.algorithms.specs import get_spec
+from relax_core.models.multimodal import pad_token_id
 from relax_core.rollout.types import Sample
 from relax_core.train import sharding
 from relax_core.train.batching import (
@@ -121,12 +122,11 @@ def _ratio_extremes(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def load_causal_lm(path: str | Path, dtype: str, device: str, trust_remote_code: bool = False) -> torch.nn.Module:
-    """Load an HF causal LM in eval mode (dropout off: log-probs must match the engine's)."""
-    from transformers import AutoModelForCausalLM
+    """Load the policy (an HF causal LM; Qwen3-VL, or the Qwen3-Omni thinker: `models/multimodal.py`) in eval
+    mode (dropout off: log-probs must match the engine's)."""
+    from relax_core.models.multimodal import load_policy
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype),
-                                                 trust_remote_code=trust_remote_code)
-    return model.to(device).eval()
+    return load_policy(path, dtype, device, trust_remote_code)
 
 
 class TorchTrainer:
@@ -159,6 +159,7 @@ class TorchTrainer:
         # Sharded, the parameters are the float32 master weights, gathered in `cfg.dtype` for compute.
         self.model = load_causal_lm(model_path, "float32" if cfg.fsdp else cfg.dtype, cfg.device,
                                     cfg.trust_remote_code)
+        self.frozen = self._freeze_encoders()
         if cfg.recompute_activations:
             sharding.recompute_activations(self.model)
         if cfg.fsdp:
@@ -179,9 +180,9 @@ class TorchTrainer:
         if cfg.critic_lr is not None and not cfg.critic_service:
             self.critic = Critic.from_config(model_path, cfg)
         self.last_returns: list[list[float]] | None = None  # this rank's GAE returns of the last step
-        self.pad_id = self.model.config.pad_token_id or 0
+        self.pad_id = pad_token_id(self.model)
         self.optimizer = build_optimizer(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             betas=tuple(cfg.betas),
@@ -205,6 +206,15 @@ class TorchTrainer:
                                              **cfg.selection_kwargs)
         self._agg = registry.get_loss_aggregator(cfg.loss_agg or spec.loss_agg)
         self._kl_fn = registry.get_kl_estimator(cfg.kl_estimator)
+
+    def _freeze_encoders(self) -> list[str]:
+        """`train.freeze_vision` / `freeze_audio`: the names of the encoder parameters kept as loaded."""
+        cfg = self.config
+        if not (cfg.freeze_vision or cfg.freeze_audio):
+            return []
+        from relax_core.models.multimodal import freeze
+
+        return freeze(self.model, vision=cfg.freeze_vision, audio=cfg.freeze_audio)
 
     # ----------------------------------------------------------- distributed
     @property
@@ -622,11 +632,15 @@ class TorchTrainer:
         the HF safetensors checkpoint (tied weights appear once). Sharded,
         each is gathered whole (one parameter at a time, so a bucket of them
         is all that is ever held besides the shards) and cast to the compute
-        dtype; every rank must then iterate it, in step.
+        dtype; every rank must then iterate it, in step. Frozen encoders
+        (`train.freeze_vision` / `freeze_audio`) are left out: every engine
+        loaded them from the same model directory, and they never change.
         """
         dtype = getattr(torch, self.config.dtype)
+        frozen = set(self.frozen)
         for name, param in self.model.named_parameters():
-            yield name, sharding.full(param.detach()).to(dtype)
+            if name not in frozen:
+                yield name, sharding.full(param.detach()).to(dtype)
 
     def state_dict(self) -> dict:
         """Model, optimizer and scheduler state plus the step counter (for checkpointing).

@@ -122,6 +122,29 @@ def test_partitions_do_not_mix(bus):
         bus.take(5, 1, timeout_s=SHORT)
 
 
+def test_multimodal_tensors_travel_as_tensors_beside_text_rows(bus):
+    import torch
+
+    def build():
+        pixels = torch.arange(4 * 1536, dtype=torch.float32).reshape(4, 1536) / 7
+        images = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 2]])}
+        audio = {"input_features": torch.linspace(-1, 1, 128 * 30).reshape(128, 30).to(torch.bfloat16),
+                 "feature_attention_mask": torch.ones(30, dtype=torch.long)}
+        return [Sample(prompt_ids=[1, 2], response_ids=[3], rollout_logprobs=[-0.5], multimodal=images),
+                Sample(prompt_ids=[4], response_ids=[5], rollout_logprobs=[-0.25]),
+                Sample(prompt_ids=[6, 7], response_ids=[8], rollout_logprobs=[-1.0], multimodal=audio)]
+
+    bus.put(9, build())
+    taken, _ = bus.take(9, 3)
+    assert taken[1].multimodal is None
+    for got, want in zip(taken, build()):
+        assert (got.prompt_ids, got.response_ids) == (want.prompt_ids, want.response_ids)
+        if want.multimodal is not None:
+            assert got.multimodal.keys() == want.multimodal.keys()
+            for name, tensor in want.multimodal.items():
+                assert got.multimodal[name].dtype == tensor.dtype and torch.equal(got.multimodal[name], tensor)
+
+
 def test_a_second_bus_in_the_same_cluster_is_refused(bus):
     with pytest.raises(RuntimeError, match="already runs"):
         SampleBus.start(samples_per_step=8, max_partitions=4)

@@ -76,6 +76,9 @@ MC_CASES = [
     ("<think>I think A, but let me check the constants", "A", 0.0),          # truncated in reasoning
     ("The answer is (A).\nWait, recomputing... the answer is (D).", "D", 1.0),  # the last statement wins
     ("I believe the answer is: (B) because A is wrong", "B", 1.0),
+    ("<think>A looks close</think><answer>B</answer>", "B", 1.0),             # R1-style tags
+    ("<think>hm</think><answer> The answer is (C) </answer>", "<answer> C </answer>", 1.0),  # tagged label
+    ("<answer>A</answer> though B is tempting", "B", 0.0),                    # the tags are the answer
 ]
 
 

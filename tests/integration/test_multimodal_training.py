@@ -1,0 +1,90 @@
+"""The torch trainer on samples with images and audio (tiny Qwen3-VL and Qwen3-Omni thinker, one process).
+
+What a user relies on: a step's log-probs of each response token are the
+model's own for that sample's media, whatever else shares the micro-batch
+(text rows included); a step learns through the vision tower unless
+`train.freeze_vision` keeps it as loaded, and frozen encoders are left out
+of what the engines are sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from relax_core.models import multimodal as mm
+from relax_core.rollout.types import Sample
+from relax_core.train.config import TorchTrainerConfig
+from relax_core.train.torch_backend import TorchTrainer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_omni"])
+def model_dir(request, tmp_path_factory) -> Path:
+    from relax_core.models.tiny import materialize_tiny_model
+
+    return materialize_tiny_model(tmp_path_factory.mktemp(request.param) / "model", architecture=request.param,
+                                  alphabet="abcd")
+
+
+def colour(rgb: tuple[int, int, int], size: int = 64) -> Image.Image:
+    return Image.fromarray(np.full((size, size, 3), rgb, dtype=np.uint8))
+
+
+def samples_for(model_dir: Path) -> list[Sample]:
+    """Two samples with an image each (one of them with audio on Omni) and one text sample, two groups."""
+    processor = mm.load_processor(model_dir)
+    audio = processor.family == "qwen3_omni"
+    rng = np.random.default_rng(0)
+    a, b, c = processor.tokenizer.convert_tokens_to_ids(["a", "b", "c"])
+    out = []
+    for i, (rgb, size) in enumerate([((250, 10, 10), 64), ((10, 10, 250), 96)]):
+        text, _ = mm.chat_prompt(processor, "ab", n_images=1, n_audios=int(audio and i == 0))
+        sound = [rng.standard_normal(16000).astype(np.float32) * 0.1] if audio and i == 0 else []
+        done = mm.process(processor, text, images=[colour(rgb, size)], audios=sound)
+        out.append(Sample(done.input_ids, [a + i, b, c], [-1.0] * 3, reward=float(i), group_id=0,
+                          multimodal=done.tensors))
+    _, ids = mm.chat_prompt(processor, "cd")
+    out.append(Sample(list(ids), [c, a], [-1.0] * 2, reward=1.0, group_id=1))
+    out.append(Sample(list(ids), [b, b], [-1.0] * 2, reward=0.0, group_id=1))
+    return out
+
+
+def alone(model, sample: Sample) -> list[float]:
+    """The sample's response log-probs from a forward of that sample alone (no padding, no batch)."""
+    ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(**mm.model_inputs(model, ids, mask, [sample.multimodal or {}])).logits
+    logp = logits[0].log_softmax(-1)
+    p = len(sample.prompt_ids)
+    return [logp[p - 1 + j, t].item() for j, t in enumerate(sample.response_ids)]
+
+
+def test_a_mixed_micro_batch_gives_each_sample_its_own_logprobs(model_dir):
+    trainer = TorchTrainer(model_dir, TorchTrainerConfig(micro_batch_size=4))
+    samples = samples_for(model_dir)
+    batched = trainer.compute_logprobs(samples)
+    for sample, got in zip(samples, batched):
+        assert np.allclose(got, alone(trainer.model, sample), atol=1e-5), (got, alone(trainer.model, sample))
+
+
+@pytest.mark.parametrize("freeze_vision", [False, True])
+def test_freeze_vision_keeps_the_vision_tower_and_leaves_it_out_of_the_sync(model_dir, freeze_vision):
+    trainer = TorchTrainer(model_dir, TorchTrainerConfig(micro_batch_size=2, lr=1e-2, freeze_vision=freeze_vision))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.train_step(samples_for(model_dir))
+    assert np.isfinite(metrics["loss"])
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    vision = {n for n in before if n.startswith("model.visual.")}
+    assert vision and any(not n.startswith("model.visual.") for n in changed)  # the language model learned
+    synced = {n for n, _ in trainer.named_parameters_for_sync()}
+    if freeze_vision:
+        assert not changed & vision and not synced & vision
+    else:
+        assert changed & vision and vision <= synced
