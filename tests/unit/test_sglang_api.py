@@ -275,3 +275,46 @@ def _strings_written(module: ast.Module) -> set[str]:
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
             out |= {node.slice.value} if isinstance(node.slice, ast.Constant) else set()
     return {key for key in out if isinstance(key, str)}
+
+
+def test_a_multimodal_rollout_request_holds_sglangs_fields_and_encodings(recorder, tmp_path):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from relax_core.config.schema import SyntheticData
+    from relax_core.data.media import MediaBounds
+    from relax_core.data.prompts import build_prompt_source
+    from relax_core.models import multimodal
+    from relax_core.rollout.prompt_prep import MediaPrompts
+
+    model_dir = tiny.materialize_tiny_model(tmp_path / "vl", architecture="qwen3_vl", alphabet="'.?ABCDWbcdfghlopw")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = build_prompt_source(SyntheticData(task="colours")).next_batch(1)
+    sampling = SamplingConfig(n_samples_per_prompt=1, max_new_tokens=1, max_prompt_len=512, seed=1)
+    media = MediaPrompts(str(model_dir), MediaBounds(), None, 512)
+
+    async def rollout():
+        async with EngineClient(recorder) as c:
+            manager = RolloutManager([c], tokenizer, sampling, lambda response, label, metadata: 1.0, media=media)
+            return await manager.generate(rows, step=0)
+
+    try:
+        (sample,) = asyncio.run(rollout())
+    finally:
+        media.close()
+    (body,) = [body for _, path, body in Recorder.calls if path == "/generate"]
+    assert set(body) == {"input_ids", "image_data", "sampling_params", "return_logprob"} <= IO["GenerateReqInput"]
+    vocab = tokenizer.get_vocab()
+    pads = [i for i, t in enumerate(body["input_ids"]) if t == vocab[multimodal.IMAGE]]
+    assert len(pads) == 1 and body["input_ids"][pads[0] - 1] == vocab[multimodal.VISION_START]  # unexpanded
+    (uri,) = body["image_data"]
+    prefix = "data:image/png;base64,"
+    assert uri.startswith(prefix)
+    sent = np.asarray(Image.open(io.BytesIO(base64.b64decode(uri[len(prefix):]))))
+    original = np.asarray(Image.open(io.BytesIO(rows[0]["media"]["image"][0]["bytes"])).convert("RGB"))
+    assert np.array_equal(sent, original)  # the pixels of the data set, losslessly
+    grid = sample.multimodal["image_grid_thw"].tolist()
+    assert sample.prompt_ids.count(vocab[multimodal.IMAGE]) == grid[0][1] * grid[0][2] // 4  # expanded for training
