@@ -26,6 +26,7 @@ extractor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -276,7 +277,7 @@ def _audios(processor: MediaProcessor, audios, sample_rate: int, replacements: l
     return {"input_features": out["input_features"], "feature_attention_mask": mask}
 
 
-def _batched(per_sample: list[dict]) -> dict:
+def batch_media(per_sample: list[dict]) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -330,11 +331,58 @@ def model_inputs(model, input_ids, attention_mask, per_sample_tensors: list[dict
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if not hasattr(model, "get_rope_index") and not hasattr(getattr(model, "model", None), "get_rope_index"):
         return kwargs  # a text model
-    media = _batched(per_sample_tensors)
+    media = batch_media(per_sample_tensors)
     kwargs["position_ids"], _ = rope_positions(model, input_ids, attention_mask, media)
     if _is_vl(model):
         kwargs["mm_token_type_ids"] = _token_types(model, input_ids)
     return {**kwargs, **{k: v for k, v in media.items() if k != "video_second_per_grid"}}
+
+
+@contextlib.contextmanager
+def encoders_always_run(model, media: dict, first_layer):
+    """Within the block, the model's forward also runs each encoder `media` leaves unused (`unused_encoders`),
+    adding 0 x its output to what `first_layer` (the language model's first decoder layer) returns.
+
+    Sharded over ranks, an encoder's parameters are reduced after every backward by all ranks together,
+    so every rank must give them a gradient (zeros) even when its micro-batch has no image or audio; and it
+    must run them inside the model's forward, where FSDP holds the root unit's parameters gathered (run
+    after it, they would be gathered again, by this rank alone).
+    """
+
+    def add_zero(module, args, output):
+        zero = unused_encoders(model, media)
+        if zero is None:
+            return output
+        return (output[0] + zero, *output[1:]) if isinstance(output, tuple) else output + zero
+
+    handle = first_layer.register_forward_hook(add_zero)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def unused_encoders(model, media: dict):
+    """0 x the outputs of each encoder that `media` (a batch's `batch_media`) leaves unused, run on a
+    minimal input (one merged image patch; a second of silence), or None when every encoder is used."""
+    import torch
+
+    inner, terms = model.model, []
+    if "vision" in towers(model) and "pixel_values" not in media and "pixel_values_videos" not in media:
+        visual = inner.visual
+        merge, cfg = visual.spatial_merge_size, visual.config
+        width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        param = next(visual.parameters())
+        out = inner.get_image_features(torch.zeros(merge * merge, width, dtype=param.dtype, device=param.device),
+                                       torch.tensor([[1, merge, merge]], device=param.device))
+        terms += [out.pooler_output[0].sum(), *(feature[0].sum() for feature in out.deepstack_features)]
+    if "audio" in towers(model) and "input_features" not in media:
+        param = next(inner.audio_tower.parameters())
+        frames = 2 * inner.audio_tower.config.n_window
+        silence = torch.zeros(1, inner.audio_tower.config.num_mel_bins, frames, dtype=param.dtype, device=param.device)
+        out = inner.get_audio_features(silence, torch.ones(1, frames, dtype=torch.long, device=param.device))
+        terms.append(out.last_hidden_state.sum())
+    return sum(terms) * 0.0 if terms else None
 
 
 def towers(model) -> dict[str, str]:

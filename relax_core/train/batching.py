@@ -211,12 +211,31 @@ def response_logprobs(
 def forward_logprobs(
     model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool = False
 ):
-    """Run the model on a micro-batch and return `response_logprobs` of its logits."""
+    """Run the model on a micro-batch and return `response_logprobs` of its logits.
+
+    A sharded model that learns through its vision or audio encoder also runs the encoders this
+    micro-batch does not use, times zero (`multimodal.unused_encoders`): every rank's backward then
+    reduces the same gradients, whichever media its rows have."""
     if mb.multimodal is not None:
         from relax_core.models.multimodal import model_inputs
 
         inputs = model_inputs(model, mb.input_ids, mb.attention_mask, mb.multimodal)
     else:
         inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
-    out = model(**inputs, use_cache=False)
-    return response_logprobs(out.logits, mb, with_entropy=with_entropy)
+    if torch.is_grad_enabled() and _sharded_with_encoders(model):
+        from relax_core.models.multimodal import batch_media, encoders_always_run
+        from relax_core.train.sharding import language_layers
+
+        with encoders_always_run(model, batch_media(mb.multimodal or []), language_layers(model)[0]):
+            logits = model(**inputs, use_cache=False).logits
+    else:
+        logits = model(**inputs, use_cache=False).logits
+    return response_logprobs(logits, mb, with_entropy=with_entropy)
+
+
+def _sharded_with_encoders(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    from relax_core.models.multimodal import towers
+
+    return isinstance(next(model.parameters()), DTensor) and bool(towers(model))

@@ -32,13 +32,23 @@ from torch.utils.checkpoint import checkpoint
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: the modules of the classes HF lists as `_no_split_modules`."""
+    """The model's repeated blocks: the modules of the classes HF lists as `_no_split_modules` (also once
+    sharded: FSDP2 renames a unit's class `FSDP<name>`)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in names]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder-layer class (_no_split_modules); "
                          "it cannot be sharded or recomputed layer by layer")
     return layers
+
+
+def language_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of the language model: `decoder_layers` less the vision and audio encoders' blocks."""
+    from relax_core.models.multimodal import towers
+
+    encoders = [model.get_submodule(prefix) for prefix in towers(model).values()]
+    inside = {id(m) for encoder in encoders for m in encoder.modules()}
+    return [layer for layer in decoder_layers(model) if id(layer) not in inside]
 
 
 def recompute_activations(model: torch.nn.Module) -> int:
@@ -63,13 +73,16 @@ def ensure_process_group(backend: str) -> None:
 
 def shard_model(model: torch.nn.Module, group: dist.ProcessGroup | None, device: str,
                 compute_dtype: torch.dtype) -> None:
-    """FSDP2 over `group` (None: the default group): each decoder layer a unit, the rest the root's."""
+    """FSDP2 over `group` (None: the default group): each decoder layer of the language model a unit, the
+    rest the root's. The vision and audio encoders' blocks stay in the root unit: a rank whose micro-batch
+    has no image does not run them, and a unit of their own would then wait for its all-gather on the
+    ranks whose micro-batch does (the root's parameters are gathered by every forward)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, torch.device(device).type)
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    units = [*decoder_layers(model), model]
+    units = [*language_layers(model), model]
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     for unit in units:  # each unit reduces its own gradients

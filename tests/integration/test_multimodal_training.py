@@ -88,3 +88,46 @@ def test_freeze_vision_keeps_the_vision_tower_and_leaves_it_out_of_the_sync(mode
         assert not changed & vision and not synced & vision
     else:
         assert changed & vision and vision <= synced
+
+
+def _fsdp_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """Sharded steps where one rank's rows have images and the other's are text, then one where a rank has
+    nothing (it runs idle passes)."""
+    import os
+
+    import torch.distributed as dist
+
+    from relax_core.train.batching import shard
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        trainer = TorchTrainer(model_dir, TorchTrainerConfig(micro_batch_size=1, lr=1e-2, fsdp=True))
+        samples = samples_for(Path(model_dir))  # images on rank 0, text on rank 1
+        trainer.train_step(shard(samples, rank, world))
+        trainer.train_step(samples if rank == 0 else [])
+        weights = {n: t.clone() for n, t in trainer.named_parameters_for_sync()}
+        if rank == 0:
+            torch.save(weights, f"{out}/rank0.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_ranks_with_and_without_images_train_as_one_process(model_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp_rank, args=(2, port, str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "rank0.pt")
+    alone = TorchTrainer(model_dir, TorchTrainerConfig(micro_batch_size=1, lr=1e-2))
+    alone.train_step(samples_for(model_dir))
+    alone.train_step(samples_for(model_dir))
+    expected = dict(alone.named_parameters_for_sync())
+    assert sharded.keys() == expected.keys()
+    assert max((sharded[n] - expected[n]).abs().max().item() for n in expected) < 1e-5

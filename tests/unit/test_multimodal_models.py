@@ -107,7 +107,7 @@ def test_decoding_with_a_cache_continues_positions_through_rope_deltas(tiny):
     expected = _logprobs(model, full, torch.ones_like(full), [s.tensors])[0]
     prefix = full[:, : len(s.input_ids)]
     inputs = mm.model_inputs(model, prefix, torch.ones_like(prefix), [s.tensors])
-    _, deltas = mm.rope_positions(model, prefix, torch.ones_like(prefix), mm._batched([s.tensors]))
+    _, deltas = mm.rope_positions(model, prefix, torch.ones_like(prefix), mm.batch_media([s.tensors]))
     cache = DynamicCache(config=model.config.get_text_config())
     with torch.no_grad():
         steps = [model(**inputs, cache=cache, use_cache=True).logits[0, -1]]
