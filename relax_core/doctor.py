@@ -32,8 +32,7 @@ EXECUTORS = {
 # Backends a recipe can name that have no code in this version (launch/preflight.py refuses them).
 NOT_AVAILABLE = {
     "megatron trainer": "train.backend: megatron",
-    "GPU training and rollout": "cluster.*.gpus_per_node > 0",
-    "multimodal data": "data.image_key / audio_key / video_key",
+    "reference service on GPUs": "cluster.reference.gpus_per_node > 0",
 }
 
 

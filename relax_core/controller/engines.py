@@ -42,6 +42,7 @@ class EngineSpec:
     trust_remote_code: bool = False  # the model directory's own code may run (model.trust_remote_code)
     engine: str = "cpu"  # rollout.engine: "cpu" or "sglang"
     engine_args: dict[str, Any] = field(default_factory=dict)  # rollout.engine_args (SGLang server arguments)
+    video: dict[str, Any] = field(default_factory=dict)  # the CPU engine's video sampling (setup.engine_video)
 
     @property
     def ranks_per_engine(self) -> int:
@@ -89,7 +90,7 @@ class EngineSet:
         actor = self._ray.remote(max_concurrency=2)(EngineWorker).options(**options).remote(
             index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads, s.seed,
             s.max_running_requests, s.cpus, s.trust_remote_code, engine=s.engine, engine_args=s.engine_args,
-            tp_size=max(s.gpus, 1), gpus=gpus)
+            tp_size=max(s.gpus, 1), gpus=gpus, video=s.video)
         self._slot_of[slot] = actor
         return actor
 

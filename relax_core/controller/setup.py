@@ -164,6 +164,18 @@ def media_prompts(recipe: Recipe, model_dir: Path):
                         recipe.rollout.max_prompt_len, recipe.rollout.media_workers, trust_remote_code(recipe))
 
 
+def engine_video(recipe: Recipe) -> dict:
+    """How the CPU engine samples a video into frames: the data set's own settings, so it reads the frames the
+    trainer reads ({} without a video column: the engine's defaults)."""
+    from relax_core.data.prompts import media_view
+
+    data = media_view(recipe.data)
+    if data is None or not data.video_key:
+        return {}
+    fields = ("video_fps", "video_min_frames", "video_max_frames")
+    return {name: getattr(data, name) for name in fields if getattr(data, name) is not None}
+
+
 def sampling_config(recipe: Recipe):
     from relax_core.rollout.manager import SamplingConfig
 

@@ -355,7 +355,8 @@ class EngineWorker:
     def __init__(self, index: int, model_dir: str, log_path: str, api_key: str,
                  threads: int, seed: int, max_running_requests: int, cpus: list[int] | None = None,
                  trust_remote_code: bool = False, *, engine: str = "cpu", engine_args: dict | None = None,
-                 tp_size: int = 1, python: str = sys.executable, gpus: list[str] | None = None):
+                 tp_size: int = 1, python: str = sys.executable, gpus: list[str] | None = None,
+                 video: dict | None = None):
         from relax_core.controller.engine_process import EngineProcess
 
         host = node_ip()  # bind to the cluster's interface only
@@ -375,7 +376,7 @@ class EngineWorker:
                               engine_args=engine_args or {}, **common)
         else:
             sock = listening_socket(host)  # the engine serves on this very socket: its port stays ours
-            command = partial(cpu_engine_command, fd=sock.fileno(), threads=threads, **common)
+            command = partial(cpu_engine_command, fd=sock.fileno(), threads=threads, video=video, **common)
         self.server = EngineProcess(f"engine {index}", host, Path(log_path), command, env,
                                     preexec_fn=lambda: _in_child(parent, cpus), sock=sock)
         self.server.start()
@@ -398,10 +399,12 @@ class EngineWorker:
 
 
 def cpu_engine_command(*, python: str, model_dir: str, host: str, port: int, fd: int, threads: int, seed: int,
-                       max_running_requests: int, trust_remote_code: bool) -> list[str]:
-    """The argv of one CPU engine server (`fd`: its listening socket; the API key is in its environment)."""
+                       max_running_requests: int, trust_remote_code: bool, video: dict | None = None) -> list[str]:
+    """The argv of one CPU engine server (`fd`: its listening socket; the API key is in its environment;
+    `video`: the data set's `video_fps` / `video_min_frames` / `video_max_frames`)."""
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in (video or {}).items()]
     return [
         python, "-m", "relax_core.rollout.cpu_engine", "--model-path", model_dir, "--host", host,
         "--port", str(port), "--fd", str(fd), "--num-threads", str(threads),
         "--seed", str(seed), "--max-running-requests", str(max_running_requests), "--weight-version", "0",
-    ] + (["--trust-remote-code"] if trust_remote_code else [])
+    ] + (["--trust-remote-code"] if trust_remote_code else []) + flags

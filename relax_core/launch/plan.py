@@ -223,7 +223,7 @@ class _Planner:
 
     def commands(self, python: str) -> list[tuple[str, list[str]]]:
         """(name, argv) of every engine server the run starts: the rollout engines, then the judge's."""
-        from relax_core.controller.setup import trust_remote_code
+        from relax_core.controller.setup import engine_video, trust_remote_code
         from relax_core.controller.workers import cpu_engine_command
 
         r = self.recipe
@@ -239,7 +239,7 @@ class _Planner:
                                       engine_args=ro.engine_args, trust_remote_code=trust, **common)
             else:
                 argv = cpu_engine_command(model_dir=model_dir, fd="<fd>", threads=threads, seed=seed,
-                                          trust_remote_code=trust, **common)
+                                          trust_remote_code=trust, video=engine_video(r), **common)
             commands.append((f"engine {i}", argv))
         genrm = r.reward.genrm
         for i in range(r.reward.judge_engines):

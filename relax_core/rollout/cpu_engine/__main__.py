@@ -40,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="allow /release_memory_occupation and /resume_memory_occupation (colocate)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning")
+    # How a video is sampled into frames: the rollout side's `data.video_fps/min_frames/max_frames`, so the engine
+    # reads the same frames as the trainer (SGLang samples with its own settings).
+    p.add_argument("--video-fps", type=float, default=None, help="frames per second of video sampled")
+    p.add_argument("--video-min-frames", type=int, default=None, help="fewest frames sampled from a video")
+    p.add_argument("--video-max-frames", type=int, default=None, help="most frames sampled from a video")
     return p.parse_args(argv)
 
 
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
         trust_remote_code=args.trust_remote_code,
         enable_memory_saver=args.enable_memory_saver,
+        video={k: v for k, v in (("video_fps", args.video_fps), ("video_min_frames", args.video_min_frames),
+                                 ("video_max_frames", args.video_max_frames)) if v is not None},
     )
     app = create_app(state, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -40,7 +40,7 @@ class MediaPrompt:
 class MediaPreprocessor:
     """The model's processor and the media each modality of it accepts."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, video: dict | None = None) -> None:
         from relax_core.data import media
         from relax_core.models import multimodal
 
@@ -52,9 +52,10 @@ class MediaPreprocessor:
         if self.processor.feature_extractor is not None:
             self.placeholders["audio"] = multimodal.AUDIO
         self.sample_rate = getattr(self.processor.feature_extractor, "sampling_rate", None) or media.DEFAULT_SAMPLE_RATE
-        # SGLang's loaders' defaults: images as sent, video sampled at 2 fps (Qwen-VL's), audio at the
-        # feature extractor's rate.
-        self.bounds = media.MediaBounds(audio_sample_rate=self.sample_rate)
+        # SGLang's loaders' defaults: images as sent, video sampled at 2 fps (Qwen-VL's) unless `video` says
+        # otherwise (the run's data.video_* settings, so the frames are the trainer's), audio at the feature
+        # extractor's rate.
+        self.bounds = media.MediaBounds(audio_sample_rate=self.sample_rate, **(video or {}))
         # One worker: the processor's tokenizer is not safe to share between threads.
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cpu-engine-media")
 

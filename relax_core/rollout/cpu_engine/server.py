@@ -487,8 +487,10 @@ def _add_memory_routes(app: FastAPI, state: EngineState) -> None:
 
 
 def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: int, weight_version: str,
-                      trust_remote_code: bool = False, enable_memory_saver: bool = False) -> EngineState:
-    """Load model and tokenizer and start the scheduler thread."""
+                      trust_remote_code: bool = False, enable_memory_saver: bool = False,
+                      video: dict | None = None) -> EngineState:
+    """Load model and tokenizer and start the scheduler thread (`video`: how videos are sampled into frames,
+    `MediaBounds`' video fields; their defaults where absent)."""
     import os
 
     import torch
@@ -522,7 +524,7 @@ def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: in
         eos_ids=_eos_ids(model, tokenizer),
     )
     memory = MemorySaver(model, enable_memory_saver)
-    media = None if text_only else MediaPreprocessor(model_path)
+    media = None if text_only else MediaPreprocessor(model_path, video or {})
     return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), memory, weight_version, media)
 
 
