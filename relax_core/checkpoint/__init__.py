@@ -3,6 +3,7 @@
     layout.py     names (iter_0000100/, latest_checkpointed_iteration.txt), tracker, atomic publish, CheckpointError
     dcp.py        save_checkpoint / load_checkpoint of the whole training state (+ RNG of every rank)
     hf_export.py  export_hf: model section -> safetensors shards + config + tokenizer
+    hf_media.py   Qwen3-VL / Qwen3-Omni: the directory's weight names, the untrained talker copied
     hf_verify.py  verify_export: logits of the checkpoint's model vs. the exported one
 
 The names below resolve lazily, so `from relax_core.checkpoint import

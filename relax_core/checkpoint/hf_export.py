@@ -7,7 +7,10 @@ names, and safetensors shards (+ `model.safetensors.index.json` when there
 is more than one) are written together with the config, generation config
 and tokenizer files copied into `CKPT/hf_config/` at save time. The result
 loads with `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`.
-`hf_verify.verify_export` checks it against the checkpoint.
+A Qwen3-VL / Qwen3-Omni checkpoint is written under the directory's own names
+and with its untrained talker copied (`hf_media`), so it loads with its own
+class (`Qwen3OmniMoeForConditionalGeneration`, ...) and with the processor
+files copied next to it. `hf_verify.verify_export` checks it against the checkpoint.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from relax_core.checkpoint import dcp_io, layout
 from relax_core.checkpoint.dcp import read_saved_paths
 from relax_core.checkpoint.hf_files import copy_config_files
+from relax_core.checkpoint.hf_media import MediaLayout, media_layout, read_untrained, untrained_weights
 from relax_core.checkpoint.layout import CheckpointError
 
 DEFAULT_SHARD_BYTES = 5_000_000_000  # transformers' default max_shard_size "5GB"
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CKPT, SOURCE = "checkpoint", "source"  # where a planned tensor is read from
 
 # (checkpoint weight name, tensor, HF config) -> [(HF name, tensor), ...]. A list,
 # because a backend with fused weights (Megatron's linear_qkv) maps one tensor to several.
@@ -129,14 +134,18 @@ def export_hf(
     if shard_bytes < 1:
         raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
     section = ModelSection(ckpt_dir, iteration, config_dir)
+    media = media_layout(section.config_dir)
+    untrained = untrained_weights(media, _source_dir(section, config_dir)) if media else {}
     out = Path(out_dir)
     staging = _staging_for(out, overwrite)
-    shards = _plan_shards(section, shard_bytes)
+    sizes = {**{(CKPT, name): section.nbytes(name) for name in section.entries},
+             **{(SOURCE, name): size for name, (_, size) in untrained.items()}}
+    shards = _plan_shards(sizes, shard_bytes)
     weight_map: dict[str, str] = {}
     total = 0
-    for i, names in enumerate(shards):
+    for i, group in enumerate(shards):
         filename = SAFE_WEIGHTS_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = section.read_hf(names)
+        tensors = _read_shard(section, media, untrained, group)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(_write_shard(staging / filename, tensors))
     if len(shards) > 1:
@@ -163,12 +172,26 @@ def _config_dir(root: Path, iter_dir: Path, meta: dict[str, Any], explicit, fall
     return path
 
 
-def _plan_shards(section: ModelSection, shard_bytes: int) -> list[list[str]]:
-    """Greedy, in checkpoint order: start a new shard when the next tensor would overflow it."""
-    shards: list[list[str]] = [[]]
+def _source_dir(section: ModelSection, explicit) -> Path | None:
+    """The model directory the run started from: where the weights it did not train are."""
+    source = explicit if explicit is not None else section.meta.get("hf_source")
+    return Path(source) if source else None
+
+
+def _read_shard(section: ModelSection, media: MediaLayout | None, untrained: dict, group: list[tuple[str, str]]):
+    """HF-named tensors of one planned shard: checkpoint weights (renamed for a multimodal directory),
+    then weights copied from the source directory."""
+    tensors = section.read_hf([name for kind, name in group if kind == CKPT])
+    if media is not None:
+        tensors = media.saved(tensors)
+    return tensors | read_untrained([name for kind, name in group if kind == SOURCE], untrained)
+
+
+def _plan_shards(sizes: dict[tuple[str, str], int], shard_bytes: int) -> list[list[tuple[str, str]]]:
+    """Greedy, in order: start a new shard when the next tensor would overflow it."""
+    shards: list[list[tuple[str, str]]] = [[]]
     used = 0
-    for name in section.entries:
-        size = section.nbytes(name)
+    for name, size in sizes.items():
         if shards[-1] and used + size > shard_bytes:
             shards.append([])
             used = 0

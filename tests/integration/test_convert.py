@@ -5,12 +5,18 @@ in memory, so its weights differ from the HF directory it came from, and
 saved as a checkpoint together with an optimizer. The export must load with
 plain `transformers` and reproduce the in-memory model exactly; damaged
 checkpoints must fail with a CheckpointError that names the broken file.
+Tiny Qwen3-VL and Qwen3-Omni policies, converted through the CLI with
+`--verify`, must load with their own classes and hold the trained weights
+under the model directory's names, next to Omni's untrained talker.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +28,7 @@ from relax_core.checkpoint.dcp import load_checkpoint, save_checkpoint
 from relax_core.checkpoint.hf_export import export_hf
 from relax_core.checkpoint.hf_verify import VerificationError, verify_export
 from relax_core.checkpoint.layout import CheckpointError
+from relax_core.models.multimodal import load_policy
 from relax_core.models.tiny import materialize_tiny_model
 
 
@@ -141,3 +148,76 @@ def test_missing_checkpoint_dir_and_iteration(damaged, tmp_path):
     shutil.rmtree(damaged / "hf_config")
     with pytest.raises(CheckpointError, match=str(damaged / "hf_config" / "config.json")):
         export_hf(damaged, tmp_path / "hf")
+
+
+def _perturbed_policy_checkpoint(root: Path, architecture: str):
+    """(checkpoint dir, source HF dir, policy) for a tiny multimodal model whose weights moved, saved as the
+    trainer saves them: the policy's `state_dict()` (for Omni the thinker's own names) and an optimizer."""
+    hf_dir = materialize_tiny_model(root / architecture, architecture=architecture, seed=5)
+    policy = load_policy(hf_dir)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    ckpt = root / "ckpt"
+    save_checkpoint(ckpt, 2, {"model": policy.state_dict(), "optimizer": opt.state_dict()}, hf_dir=hf_dir)
+    return ckpt, hf_dir, policy.eval()
+
+
+def _convert_cli(ckpt: Path, out: Path, cwd: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "relax_cli.main", "convert-ckpt", str(ckpt), "--out", str(out),
+                           "--verify"], cwd=cwd, env=os.environ | {"NO_COLOR": "1", "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "verified" in proc.stdout
+    return proc.stdout
+
+
+def _assert_same_weights(expected: torch.nn.Module, loaded: torch.nn.Module) -> None:
+    want, got = expected.state_dict(), loaded.state_dict()
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
+def _assert_directory_files(out: Path, hf_dir: Path) -> None:
+    for name in ("config.json", "preprocessor_config.json", "video_preprocessor_config.json", "chat_template.jinja",
+                 "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (hf_dir / name).read_bytes(), name
+    # The weights carry the names the model directory itself uses (per-expert MoE weights, `thinker.`).
+    assert load_file(str(out / "model.safetensors")).keys() == load_file(str(hf_dir / "model.safetensors")).keys()
+
+
+def test_qwen3_vl_export_loads_with_its_class_and_holds_the_trained_weights(tmp_path):
+    from transformers import Qwen3VLForConditionalGeneration
+
+    ckpt, hf_dir, policy = _perturbed_policy_checkpoint(tmp_path, "qwen3_vl")
+    out = tmp_path / "hf"
+    _convert_cli(ckpt, out, tmp_path)
+    _assert_directory_files(out, hf_dir)
+    _assert_same_weights(policy, Qwen3VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32))
+    _assert_same_weights(policy, load_policy(out))
+    changed = "model.language_model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(load_file(str(hf_dir / "model.safetensors"))[changed], policy.state_dict()[changed])
+
+
+def test_qwen3_omni_export_puts_the_trained_thinker_next_to_the_untrained_talker(tmp_path):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    ckpt, hf_dir, thinker = _perturbed_policy_checkpoint(tmp_path, "qwen3_omni")
+    # A real Qwen3-Omni directory also holds the talker and code2wav, which the run never loads or trains.
+    weights = load_file(str(hf_dir / "model.safetensors"))
+    untrained = {"talker.codec_head.weight": torch.randn(8, 4), "code2wav.pre_transformer.norm.weight": torch.ones(4)}
+    save_file(weights | untrained, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "hf"
+    _convert_cli(ckpt, out, tmp_path)
+    _assert_directory_files(out, hf_dir)
+    full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
+    _assert_same_weights(thinker, full.thinker)
+    _assert_same_weights(thinker, load_policy(out))
+    exported = load_file(str(out / "model.safetensors"))
+    for name, tensor in untrained.items():
+        assert torch.equal(exported[name], tensor), name
+    expert = "thinker.model.layers.0.mlp.experts.1.down_proj.weight"
+    assert not torch.equal(weights[expert], exported[expert])  # the trained value, under the directory's name
