@@ -129,3 +129,19 @@ def _header_sizes(path: Path) -> dict[str, tuple[Path, int]]:
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
     return {name: (path, end - start) for name, (start, end) in ((n, h["data_offsets"]) for n, h in header.items())}
+
+
+def checkpoint_named(model_dir: Path):
+    """For engines that load weights by the model directory's own names (SGLang: `load_weights` of its
+    Qwen3-VL / Qwen3-Omni model), a function turning the trainer's (name, tensor) stream into those names,
+    one parameter at a time (`MediaLayout.saved`: the `thinker.` prefix, fused experts split per expert);
+    None for a text model, whose parameter names already are the checkpoint's."""
+    layout = media_layout(Path(model_dir))
+    if layout is None:
+        return None
+
+    def rename(named):
+        for name, tensor in named:
+            yield from layout.saved({name: tensor}).items()
+
+    return rename

@@ -99,6 +99,7 @@ class TrainerWorker:
         self.rank, self.world_size = rank, world_size
         self.loop = asyncio.new_event_loop()
         self.broadcaster = None
+        self._engine_names = None  # setup: renames the weights for SGLang engines (checkpoint_names)
         self.trainer = None
         self.snapshot = None  # (version, [(name, tensor)]) taken after a step in the asynchronous modes
         self.live = None  # sharded trainer, rank 0: the whole current weights (`_gather_live`)
@@ -132,9 +133,11 @@ class TrainerWorker:
                              timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
 
     def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None,
-              keep_live: bool = True) -> int:
+              keep_live: bool = True, checkpoint_names: bool = False) -> int:
         """Join the group and load the model. `keep_live` (sharded): rank 0 keeps the whole weights after
-        every change (`_gather_live`); off where every rank hands its own buckets over instead."""
+        every change (`_gather_live`); off where every rank hands its own buckets over instead.
+        `checkpoint_names` (SGLang engines): weights go to the engines under the model directory's own
+        names (`hf_media.checkpoint_named`: a multimodal model's differ from its parameters')."""
         import torch
         import torch.distributed as dist
 
@@ -148,6 +151,11 @@ class TrainerWorker:
             dist.init_process_group(collective_backend(device), store=self._rendezvous_store(master),
                                     rank=self.rank, world_size=self.world_size)
         self.model_dir = model_dir
+        self._engine_names = None
+        if checkpoint_names:
+            from relax_core.checkpoint.hf_media import checkpoint_named
+
+            self._engine_names = checkpoint_named(model_dir)
         self.keep_live = keep_live
         self.trainer = TorchTrainer(model_dir, dataclasses.replace(config, device=device))
         self._gather_live()
@@ -270,8 +278,8 @@ class TrainerWorker:
 
         if self.broadcaster is None:  # rank > 0: rank 0 tells it the engines' sources and the bucket size
             self.broadcaster = TensorHandover([], node_ip(), rank=self.rank, world_size=self.world_size)
-        stats = self.loop.run_until_complete(self.broadcaster.broadcast(self.trainer.named_parameters_for_sync(),
-                                                                        version))
+        stats = self.loop.run_until_complete(
+            self.broadcaster.broadcast(self._for_engines(self.trainer.named_parameters_for_sync()), version))
         self.sent = (version, None)
         return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
                 "sync_version": float(version)}
@@ -290,9 +298,13 @@ class TrainerWorker:
 
     def _broadcast(self, version: int, tensors: list | None) -> dict[str, float]:
         named = tensors if tensors is not None else self._live_weights()
-        stats = self.loop.run_until_complete(self.broadcaster.broadcast(named, version))
+        stats = self.loop.run_until_complete(self.broadcaster.broadcast(self._for_engines(named), version))
         return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
                 "sync_version": float(version)}
+
+    def _for_engines(self, named):
+        """(name, tensor) as the engines load them (`setup`'s `checkpoint_names`)."""
+        return named if self._engine_names is None else self._engine_names(named)
 
     def set_engines(self, urls: list[str], resend: bool = True) -> None:
         """Rank 0: re-form the weight group for a new set of engines (one added or removed between

@@ -221,3 +221,24 @@ def test_qwen3_omni_export_puts_the_trained_thinker_next_to_the_untrained_talker
         assert torch.equal(exported[name], tensor), name
     expert = "thinker.model.layers.0.mlp.experts.1.down_proj.weight"
     assert not torch.equal(weights[expert], exported[expert])  # the trained value, under the directory's name
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_vl", "qwen3_omni"])
+def test_weights_for_sglang_carry_the_model_directorys_own_names(tmp_path, architecture):
+    """SGLang's Qwen3-VL / Qwen3-Omni load synced weights by the checkpoint's names (the `thinker.` prefix, one
+    tensor per expert), which are not the trainer's parameter names."""
+    from safetensors import safe_open
+
+    from relax_core.checkpoint.hf_media import checkpoint_named
+    from relax_core.models.tiny import materialize_tiny_model
+    from relax_core.train.config import TorchTrainerConfig
+    from relax_core.train.torch_backend import TorchTrainer
+
+    model_dir = materialize_tiny_model(tmp_path / "m", architecture=architecture, alphabet="abc")
+    trainer = TorchTrainer(model_dir, TorchTrainerConfig())
+    sent = dict(checkpoint_named(model_dir)(trainer.named_parameters_for_sync()))
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        saved = {name: f.get_tensor(name) for name in f.keys()}
+    assert sent.keys() == saved.keys()
+    assert all(torch.equal(sent[name], saved[name]) for name in saved)
+    assert checkpoint_named(materialize_tiny_model(tmp_path / "text", alphabet="abc")) is None
