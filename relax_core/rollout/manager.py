@@ -79,6 +79,7 @@ class RolloutManager:
             built += self._samples(by_row[row_index], rows[row_index], prompt,
                                    group_id=step * GROUP_STRIDE + row_index)
         await self._score(built)
+        self.last_reward_stats["prompts_skipped"] = float(self.dropped_prompts)  # so far in the run
         return [sample for sample, _, _ in built]
 
     async def _encode(self, rows: list[dict[str, Any]]) -> list[Prompt]:

@@ -318,3 +318,31 @@ def test_a_multimodal_rollout_request_holds_sglangs_fields_and_encodings(recorde
     assert np.array_equal(sent, original)  # the pixels of the data set, losslessly
     grid = sample.multimodal["image_grid_thw"].tolist()
     assert sample.prompt_ids.count(vocab[multimodal.IMAGE]) == grid[0][1] * grid[0][2] // 4  # expanded for training
+
+
+def test_a_row_whose_media_fail_at_run_time_is_skipped_and_counted(recorder, tmp_path, caplog):
+    from relax_core.config.schema import SyntheticData
+    from relax_core.data.media import MediaBounds
+    from relax_core.data.prompts import build_prompt_source
+    from relax_core.rollout.prompt_prep import MediaPrompts
+
+    model_dir = tiny.materialize_tiny_model(tmp_path / "vl", architecture="qwen3_vl", alphabet="'.?ABCDWbcdfghlopw")
+    rows = build_prompt_source(SyntheticData(task="colours")).next_batch(3)
+    rows[1]["media"]["image"] = [{"bytes": b"not an image", "path": "/data/broken.png"}]  # changed since validate
+    sampling = SamplingConfig(n_samples_per_prompt=2, max_new_tokens=1, max_prompt_len=512, seed=1)
+    media = MediaPrompts(str(model_dir), MediaBounds(), None, 512)
+
+    async def rollout():
+        async with EngineClient(recorder) as c:
+            manager = RolloutManager([c], AutoTokenizer.from_pretrained(model_dir), sampling,
+                                     lambda response, label, metadata: 1.0, media=media)
+            return await manager.generate(rows, step=0), manager.last_reward_stats
+
+    try:
+        with caplog.at_level("WARNING"):
+            samples, stats = asyncio.run(rollout())
+    finally:
+        media.close()
+    assert len(samples) == 4 and {s.group_id for s in samples} == {0, 2}  # rows 0 and 2, two samples each
+    assert stats["prompts_skipped"] == 1.0
+    assert "broken.png" in caplog.text and "row 1" in caplog.text
