@@ -138,6 +138,46 @@ def _context_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
+def _media_model_problems(recipe: Recipe) -> list[str]:
+    """Media columns need a model that reads them: Qwen3-VL (images, video) or Qwen3-Omni (also audio), known
+    from a tiny model's architecture or a local model directory's config (a hub id is not fetched here);
+    and no critic, which has no path for media yet."""
+    from relax_core.data.prompts import media_view
+
+    data = media_view(recipe.data)
+    if data is None:
+        return []
+    keys = [k for k in ("image_key", "video_key", "audio_key") if getattr(data, k)]
+    problems = []
+    if getattr(recipe.algorithm, "critic", None) is not None:
+        problems.append(f"algorithm.critic: a critic (value model) on data with media ({', '.join(keys)}) {_NOT_YET}; "
+                        "use an algorithm without one (grpo, dapo, ...) or text data")
+    kind = _model_family(recipe)
+    if isinstance(recipe.data, SyntheticData) or kind is None:
+        return problems  # the synthetic media tasks name their own model (_media_task_problems)
+    field = "model.architecture" if isinstance(recipe.model, TinyModel) else "model.path"
+    if kind == "text":
+        problems.append(f"data.{keys[0]}: {field} is a text-only model, which cannot read "
+                        f"{' or '.join(k.removesuffix('_key') for k in keys)}; use a Qwen3-VL or Qwen3-Omni "
+                        "model (tiny: architecture qwen3_vl or qwen3_omni), or remove the media keys")
+    elif kind == "qwen3_vl" and data.audio_key:
+        problems.append(f"data.audio_key: {field} is a Qwen3-VL model, which has no audio encoder; use a "
+                        "Qwen3-Omni model or remove data.audio_key")
+    return problems
+
+
+def _model_family(recipe: Recipe) -> str | None:
+    model = recipe.model
+    if isinstance(model, TinyModel):
+        return "text" if model.architecture == "qwen3" else model.architecture
+    local = Path(model.path).expanduser()
+    if looks_like_hub_id(model.path) or not (local / "config.json").is_file():
+        return None
+    from relax_core.models.multimodal import family
+
+    return family(local)
+
+
 def _media_task_problems(recipe: Recipe, data: SyntheticData) -> list[str]:
     """`colours` needs a model that sees (Qwen3-VL or the Omni thinker), `tones` one that hears (Omni); a tiny
     model's tokenizer must have every character of the task's questions."""
@@ -165,7 +205,7 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     the version that builds a backend deletes its line here. `rollout.engine_args` is checked here too,
     against the arguments of the SGLang that would run them, so `relax validate` catches a wrong key.
     """
-    problems = _engine_problems(recipe)
+    problems = _engine_problems(recipe) + _media_model_problems(recipe)
     if recipe.train.backend == "megatron":
         problems.append(f"train.backend: megatron (with {', '.join(_MEGATRON_FIELDS)}) {_NOT_YET}; "
                         "use train.backend=torch")

@@ -233,8 +233,9 @@ def test_bad_media_name_the_row_column_and_file(tmp_path):
 
 
 # ------------------------------------------------------------------ relax validate
-def relax_validate(tmp_path: Path, data: dict) -> subprocess.CompletedProcess:
-    recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text()) | {"data": data}
+def relax_validate(tmp_path: Path, data: dict, base: str = "quickstart_omni.yaml",
+                   **changes) -> subprocess.CompletedProcess:
+    recipe = yaml.safe_load((REPO / "recipes" / base).read_text()) | {"data": data} | changes
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}
     return subprocess.run([sys.executable, "-m", "relax_cli.main", "validate", str(tmp_path / "recipe.yaml")],
@@ -335,3 +336,21 @@ def test_the_engine_never_samples_a_media_marker_and_reports_the_models_own_logp
     assert 1 in free and 1 not in tokens
     full = torch.log_softmax(logits[0], -1)
     assert all(abs(lp - full[t].item()) < 1e-6 for t, lp in zip(tokens, logprobs))
+
+
+def test_media_columns_need_a_model_that_reads_them(tmp_path):
+    (tmp_path / "ok.png").write_bytes(png())
+    (tmp_path / "ok.wav").write_bytes(wav(1.0, 16000))
+    path = jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "label": "ab", "image": "ok.png", "audio": "ok.wav"}])
+    data = {"path": str(path), "image_key": "image", "audio_key": "audio"}
+    assert relax_validate(tmp_path, data).returncode == 0  # the Omni thinker reads both
+    text = relax_validate(tmp_path, data, base="quickstart.yaml")
+    assert text.returncode == 2 and "data.image_key: model.architecture is a text-only model" in text.stderr
+    vl = relax_validate(tmp_path, data, base="quickstart_vlm.yaml")
+    assert vl.returncode == 2 and "data.audio_key: model.architecture is a Qwen3-VL model" in flat(vl.stderr)
+    ppo = relax_validate(tmp_path, data, algorithm={"name": "ppo", "critic": {"lr": 1e-5}})
+    assert ppo.returncode == 2 and "algorithm.critic: a critic (value model) on data with media" in flat(ppo.stderr)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())  # rich wraps long lines
