@@ -32,6 +32,14 @@ def model_dir(request, tmp_path_factory) -> Path:
                                   alphabet="abcd")
 
 
+@pytest.fixture(scope="module")
+def omni_dir(tmp_path_factory) -> Path:
+    from relax_core.models.tiny import materialize_tiny_model
+
+    return materialize_tiny_model(tmp_path_factory.mktemp("omni") / "model", architecture="qwen3_omni",
+                                  alphabet="abcd")
+
+
 def colour(rgb: tuple[int, int, int], size: int = 64) -> Image.Image:
     return Image.fromarray(np.full((size, size, 3), rgb, dtype=np.uint8))
 
@@ -115,8 +123,11 @@ def _fsdp_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> No
 
 
 @pytest.mark.slow
-def test_sharded_ranks_with_and_without_images_train_as_one_process(model_dir, tmp_path):
+def test_sharded_ranks_with_and_without_images_train_as_one_process(omni_dir, tmp_path):
+    """On the Omni thinker, which has both encoders (Qwen3-VL's case is its vision half)."""
     import socket
+
+    model_dir = omni_dir
 
     import torch.multiprocessing as mp
 
