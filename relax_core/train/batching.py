@@ -142,11 +142,8 @@ def pack(
     else:  # sample i is row i
         starts = [0] * len(samples)
         seq_len = max(lengths + [1])
-        input_ids = torch.full((len(samples), seq_len), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(samples), seq_len), dtype=torch.long)
-        for i, seq in enumerate(sequences):
-            input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attention_mask[i, : len(seq)] = 1
+        input_ids = _padded(sequences, seq_len, pad_id, torch.long)
+        attention_mask = _padded([[1] * n for n in lengths], seq_len, 0, torch.long)
         position_ids = torch.arange(seq_len).unsqueeze(0).expand(len(samples), -1).contiguous()
         attention_mask = attention_mask.to(device)
     per_response = _response_fields(samples, starts, pad_id)
@@ -157,21 +154,22 @@ def pack(
 def _response_fields(samples: Sequence[Sample], starts: list[int], pad_id: int) -> tuple[torch.Tensor, ...]:
     """`[B, R]` logit_index, response_ids, valid, loss_mask and rollout log-probs; `starts`: where each
     sample's sequence begins in its row of the model input."""
-    batch = len(samples)
     resp_len = max([s.response_len for s in samples] + [0])
-    logit_index = torch.zeros((batch, resp_len), dtype=torch.long)
-    response_ids = torch.full((batch, resp_len), pad_id, dtype=torch.long)
-    valid = torch.zeros((batch, resp_len), dtype=torch.bool)
-    loss_mask = torch.zeros((batch, resp_len), dtype=torch.float32)
-    rollout = torch.zeros((batch, resp_len), dtype=torch.float32)
-    for i, (s, start) in enumerate(zip(samples, starts)):
-        p, r = start + len(s.prompt_ids), s.response_len
-        logit_index[i, :r] = torch.arange(p - 1, p + r - 1)
-        response_ids[i, :r] = torch.tensor(s.response_ids, dtype=torch.long)
-        valid[i, :r] = True
-        loss_mask[i, :r] = torch.tensor(s.loss_mask, dtype=torch.float32)
-        rollout[i, :r] = torch.tensor(s.rollout_logprobs or [0.0] * r, dtype=torch.float32)
+    logit_index = _padded([range(start + len(s.prompt_ids) - 1, start + len(s.prompt_ids) + s.response_len - 1)
+                           for s, start in zip(samples, starts)], resp_len, 0, torch.long)
+    response_ids = _padded([s.response_ids for s in samples], resp_len, pad_id, torch.long)
+    valid = _padded([[True] * s.response_len for s in samples], resp_len, False, torch.bool)
+    loss_mask = _padded([s.loss_mask for s in samples], resp_len, 0.0, torch.float32)
+    rollout = _padded([s.rollout_logprobs or [0.0] * s.response_len for s in samples], resp_len, 0.0,
+                      torch.float32)
     return logit_index, response_ids, valid, loss_mask, rollout
+
+
+def _padded(rows, width: int, fill, dtype: torch.dtype) -> torch.Tensor:
+    """`[len(rows), width]` of `dtype`, each row right-padded with `fill`: one tensor built from Python
+    lists (a copy per row costs more than a small step's arithmetic)."""
+    return torch.tensor([list(row) + [fill] * (width - len(row)) for row in rows], dtype=dtype).reshape(
+        len(rows), width)
 
 
 def _check_sample(s: Sample, index: int) -> None:

@@ -65,10 +65,10 @@ class StepRows:
 def pad_rows(rows: Rows, width: int | None = None) -> torch.Tensor:
     """`[len(rows), width]` float32, right-padded with 0 (width: the longest row)."""
     width = max([len(r) for r in rows] + [0]) if width is None else width
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
+    if not rows:
+        return torch.zeros((0, width), dtype=torch.float32)
+    # One tensor from padded Python lists: a copy per row costs more than the step's arithmetic.
+    return torch.tensor([list(row[:width]) + [0.0] * (width - len(row)) for row in rows], dtype=torch.float32)
 
 
 def cut_rows(values: torch.Tensor, lengths: Sequence[int]) -> Rows:
