@@ -112,11 +112,18 @@ class SyntheticData(Section):
     """Characters the task strings are drawn from."""
     seed: int = Field(0, ge=0)
     """Seed of the prompt stream."""
+    apply_chat_template: bool = True
+    """Wrap each prompt in the model's chat template (a user turn, then the assistant's turn opened); false:
+    the prompt's text is tokenized as it is, as base-model ("zero") RL and models trained from scratch take it.
+    Media and a system prompt need the template."""
 
     @model_validator(mode="after")
     def _lengths(self) -> SyntheticData:
         if self.min_len > self.max_len:
             raise ValueError(f"min_len ({self.min_len}) must not exceed max_len ({self.max_len})")
+        if not self.apply_chat_template and self.task in ("colours", "tones"):
+            raise ValueError(f"apply_chat_template: task {self.task} has media, whose tokens the chat template "
+                             "places; set it to true")
         return self
 
 
@@ -159,6 +166,10 @@ class FileData(Section):
     """Longest audio clip in seconds: a longer one is refused (by `relax validate` first); null: no bound."""
     system_prompt: str | None = None
     """System message put before every prompt."""
+    apply_chat_template: bool = True
+    """Wrap each prompt in the model's chat template (a user turn, then the assistant's turn opened); false:
+    the prompt's text is tokenized as it is, as base-model ("zero") RL and models trained from scratch take it.
+    Media and a system prompt need the template."""
     shuffle: bool = True
     """Shuffle the rows each epoch."""
     seed: int = Field(0, ge=0)
@@ -170,6 +181,11 @@ class FileData(Section):
             least, most = getattr(self, low), getattr(self, high)
             if least is not None and most is not None and least > most:
                 raise ValueError(f"{low} ({least}) must not exceed {high} ({most})")
+        if not self.apply_chat_template:
+            needs = [k for k in ("system_prompt", "image_key", "video_key", "audio_key") if getattr(self, k)]
+            if needs:
+                raise ValueError(f"apply_chat_template: {', '.join(needs)} need(s) the chat template (it places a "
+                                 "system turn and media tokens); set it to true or remove them")
         return self
 
 

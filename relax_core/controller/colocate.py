@@ -94,6 +94,7 @@ def step_metrics(samples: list[Sample], rollout_s: float, train_s: float, sync_s
     return {
         "reward_mean": fmean(rewards) if rewards else 0.0,
         "response_len_mean": fmean(lengths) if lengths else 0.0,
+        "prompt_len_mean": fmean(len(s.prompt_ids) for s in samples) if samples else 0.0,
         "truncated_frac": fmean(s.finish_reason == "length" for s in samples) if samples else 0.0,
         "tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
         "samples": len(samples),

@@ -181,7 +181,8 @@ class Job:
         sampling = setup.sampling_config(self.recipe)
         if self._media is None:
             self._media = setup.media_prompts(self.recipe, self.model_dir)
-        return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system, self._media)
+        return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system, self._media,
+                              self.recipe.data.apply_chat_template)
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:

@@ -225,6 +225,7 @@ def stream_metrics(record: StepRecord, versions: list[int], step: int, wait_s: f
     return {
         "reward_mean": stats.get("reward_mean", 0.0),
         "response_len_mean": stats.get("response_len_mean", 0.0),
+        "prompt_len_mean": stats.get("prompt_len_mean", 0.0),
         "truncated_frac": stats.get("truncated_frac", 0.0),
         "samples": float(record.count),
         "rollout_s": record.generate_s,

@@ -57,6 +57,13 @@ class RowSource:
     def __init__(self, rows: list[dict[str, Any]], data: FileData):
         if not rows:
             raise UserError(f"data.path: '{data.path}' holds no rows")
+        if not data.apply_chat_template:
+            chat = next((i for i, row in enumerate(rows) if not isinstance(dotted_get(row, data.prompt_key), str)),
+                        None)
+            if chat is not None:
+                raise UserError(f"data.apply_chat_template: row {chat} of '{data.path}' has a prompt that is not "
+                                f"text ('{data.prompt_key}': chat messages?), which only the chat template turns "
+                                "into tokens; set it to true or give text prompts")
         self.rows, self.data, self.cursor = rows, data, 0
         self._epoch, self._order = -1, []
 
@@ -220,8 +227,15 @@ def _hub_files(data: FileData, local_only: bool = False) -> list[Path]:
     return files
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict[str, str]], system_prompt: str | None = None) -> list[int]:
-    """Token ids of a prompt with the chat template and the assistant turn opened."""
+def encode_prompt(tokenizer, prompt: str | list[dict[str, str]], system_prompt: str | None = None,
+                  chat_template: bool = True) -> list[int]:
+    """Token ids of a prompt with the chat template and the assistant turn opened; without `chat_template`
+    (`data.apply_chat_template: false`) the text's own tokens (and the BOS a tokenizer adds)."""
+    if not chat_template:
+        if not isinstance(prompt, str):
+            raise UserError("data.apply_chat_template: a prompt is a list of chat messages, which only the chat "
+                            "template turns into text; set it to true or give text prompts")
+        return list(tokenizer.encode(prompt))
     messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
     if system_prompt and messages[0].get("role") != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})

@@ -132,7 +132,8 @@ def _context_problems(recipe: Recipe) -> list[str]:
                          set(recipe.model.alphabet + TEMPLATE_CHARS))
         if missing:
             problems.append(f"model.alphabet: the task uses characters the tokenizer lacks: {''.join(missing)!r}")
-        longest = _TINY_TEMPLATE_TOKENS + (2 * data.max_len + 2 if data.task == "add" else data.max_len)
+        template = _TINY_TEMPLATE_TOKENS if data.apply_chat_template else 0
+        longest = template + (2 * data.max_len + 2 if data.task == "add" else data.max_len)
         if longest > ro.max_prompt_len:
             problems.append(f"rollout.max_prompt_len: prompts of the task are up to {longest} tokens; raise it")
     return problems
@@ -247,9 +248,11 @@ def _multimodal_problems(recipe: Recipe) -> list[str]:
     downloaded yet is checked as the run loads it)."""
     if not isinstance(recipe.data, FileData):
         return []
-    from relax_core.data.prompts import media_problems
+    from relax_core.data.prompts import RowSource, load_rows, media_problems
 
     try:
+        if not recipe.data.apply_chat_template and recipe.data.source == "file" and Path(recipe.data.path).is_file():
+            RowSource(load_rows(recipe.data), recipe.data)  # every prompt is text
         return media_problems(recipe.data)
     except UserError as exc:  # the data file itself does not parse
         return [str(exc)]

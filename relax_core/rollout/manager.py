@@ -53,13 +53,14 @@ def sample_seed(seed: int, step: int, index: int) -> int:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], tokenizer, sampling: SamplingConfig,
                  reward_fn: RewardHub | Callable[[str, Any, dict], float], system_prompt: str | None = None,
-                 media: MediaPrompts | None = None):
+                 media: MediaPrompts | None = None, chat_template: bool = True):
         """`reward_fn`: a `RewardHub` (worker pool, time limits, per-sample routing), or a plain
         function, which is wrapped in a hub that calls it in-process. `media`: prepares the rows that
-        carry images, video or audio (rollout/prompt_prep.py); without it rows are text."""
+        carry images, video or audio (rollout/prompt_prep.py); without it rows are text. `chat_template`:
+        `data.apply_chat_template` (false: a text prompt's own tokens)."""
         self.clients, self.tokenizer, self.sampling = clients, tokenizer, sampling
         self.reward_hub = reward_fn if isinstance(reward_fn, RewardHub) else RewardHub.from_function(reward_fn)
-        self.system_prompt = system_prompt
+        self.system_prompt, self.chat_template = system_prompt, chat_template
         self.media = media
         self.dropped_prompts = 0
         self.last_reward_stats: dict[str, float] = empty_stats()
@@ -88,7 +89,7 @@ class RolloutManager:
         prepared: list[Prompt | Skipped] = await self.media.prepare(with_media) if with_media else []
         for index, row in enumerate(rows):
             if not (row.get("media") and self.media is not None):
-                ids = encode_prompt(self.tokenizer, row["prompt"], self.system_prompt)
+                ids = encode_prompt(self.tokenizer, row["prompt"], self.system_prompt, self.chat_template)
                 prepared.append(Prompt(index, ids, ids) if len(ids) <= self.sampling.max_prompt_len else
                                 Skipped(index, f"its prompt is {len(ids)} tokens "
                                                f"(rollout.max_prompt_len={self.sampling.max_prompt_len})"))

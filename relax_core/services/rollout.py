@@ -125,7 +125,7 @@ class RolloutService:
         self.prompts.load_state_dict(data_state)
         self.reward_hub = RewardHub.from_config(self.recipe.reward, judge=judge)
         self.manager = RolloutManager(self._clients(endpoints), self.tokenizer, setup.sampling_config(self.recipe),
-                                      self.reward_hub, self.system, self.media)
+                                      self.reward_hub, self.system, self.media, self.recipe.data.apply_chat_template)
         self.engine_version = self._version = engine_version
         self.downstream = downstream
         self._thread = threading.Thread(target=self._run, args=(first, last), name="relax-rollout", daemon=True)
@@ -271,8 +271,10 @@ def sample_stats(samples: list) -> dict[str, float]:
     from statistics import fmean
 
     if not samples:
-        return {"reward_mean": 0.0, "response_len_mean": 0.0, "truncated_frac": 0.0, "response_tokens": 0.0}
+        return {"reward_mean": 0.0, "response_len_mean": 0.0, "prompt_len_mean": 0.0, "truncated_frac": 0.0,
+                "response_tokens": 0.0}
     lengths = [s.response_len for s in samples]
     return {"reward_mean": fmean(s.reward for s in samples), "response_len_mean": fmean(lengths),
+            "prompt_len_mean": fmean(len(s.prompt_ids) for s in samples),
             "truncated_frac": fmean(s.finish_reason == "length" for s in samples),
             "response_tokens": float(sum(lengths))}

@@ -146,6 +146,7 @@ def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
     print(f"{mode}: reward_mean first 5 {first:.3f}, last 5 {last:.3f}")
     assert last - first >= 0.6  # the quick start's goal (test_local_run.py)
     assert all(r["staleness_max"] <= 1 for r in rows)  # the recipe's rollout.max_staleness default
+    assert {r["prompt_len_mean"] for r in rows} == {2.0}  # the rollout service read data.apply_chat_template
     assert all(k in rows[-1] for k in ("queue_depth", "trainer_idle_s", "rollout_idle_s", "samples_per_s"))
 
 

@@ -51,6 +51,7 @@ def test_quickstart_learns_the_task(quickstart_run):
     print(f"quick start reward_mean first 5: {first:.3f}, last 5: {last:.3f}")
     assert last - first >= 0.6
     assert [r["policy_version"] for r in rows] == [r["step"] for r in rows]
+    assert {r["prompt_len_mean"] for r in rows} == {2.0}  # data.apply_chat_template: false, "ab" is 2 tokens
     assert "step 1/" in proc.stdout and f"step {steps}/{steps}" in proc.stdout  # live progress lines
 
 

@@ -85,3 +85,12 @@ def test_an_unknown_reward_in_the_routing_column_stops_the_start():
     with pytest.raises(UserError, match=r"data.reward_key: column 'task' names rewards that do not exist: "
                                         r"'maths', 'mc' \(available: .*multiple_choice"):
         check_routes(rows.reward_names(), "task")
+
+
+def test_without_the_chat_template_a_row_of_chat_messages_is_refused_naming_it():
+    rows = numbered(3)
+    rows[1]["prompt"] = [{"role": "user", "content": "p1"}]
+    assert source(rows, shuffle=False).next_batch(3)[1]["prompt"] == rows[1]["prompt"]  # fine with the template
+    with pytest.raises(UserError) as info:
+        source(rows, apply_chat_template=False)
+    assert "data.apply_chat_template" in str(info.value) and "row 1 " in str(info.value)

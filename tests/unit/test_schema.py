@@ -122,6 +122,12 @@ def test_override_through_a_value_is_refused(tmp_path):
           "train": {"cpu_ranks_per_node": 2}}, "rollout.prompts_per_step", "2 data-parallel ranks"),
         ({"train": {"backend": "megatron"}}, "cluster.train.gpus_per_node", "needs GPUs"),
         ({"cluster": {"train": {"nodes": 0}}}, "cluster.train.nodes", "at least 1 node"),
+        ({"data": {"source": "file", "path": "x.jsonl", "system_prompt": "Be brief.", "apply_chat_template": False}},
+         "apply_chat_template", "system_prompt"),
+        ({"data": {"source": "file", "path": "x.parquet", "image_key": "image", "apply_chat_template": False}},
+         "apply_chat_template", "image_key"),
+        ({"data": {"source": "synthetic", "task": "colours", "apply_chat_template": False}},
+         "apply_chat_template", "colours has media"),
     ],
 )
 def test_cross_field_checks(tmp_path, change, field, words):

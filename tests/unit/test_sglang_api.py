@@ -211,6 +211,31 @@ def test_the_sampling_parameters_of_a_rollout_are_sglangs(recorder, tmp_path):
     assert {key for params in body["sampling_params"] for key in params} <= SAMPLING
 
 
+def test_without_the_chat_template_the_engine_gets_the_prompts_own_tokens(recorder, tmp_path):
+    """`data.apply_chat_template: false`: "ab" reaches the engine as its two tokens, not inside a chat turn."""
+    from transformers import AutoTokenizer
+
+    from relax_core.models import tiny
+    from relax_core.rollout.manager import RolloutManager, SamplingConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny.materialize_tiny_model(tmp_path / "m", alphabet="abcd"))
+    sampling = SamplingConfig(n_samples_per_prompt=1, max_new_tokens=1, max_prompt_len=64, seed=1)
+    vocab = tokenizer.get_vocab()
+
+    async def rollout(chat_template):
+        async with EngineClient(recorder) as c:
+            manager = RolloutManager([c], tokenizer, sampling, lambda response, label, metadata: 1.0,
+                                     chat_template=chat_template)
+            return await manager.generate([{"prompt": "ab", "label": "ab"}], step=0)
+
+    Recorder.calls.clear()
+    (raw,) = asyncio.run(rollout(False))
+    (templated,) = asyncio.run(rollout(True))
+    sent = [body["input_ids"] for _, path, body in Recorder.calls if path == "/generate"]
+    assert sent[0] == [vocab["a"], vocab["b"]] == raw.prompt_ids
+    assert sent[1] == templated.prompt_ids and len(sent[1]) == 21 and vocab["<|im_start|>"] in sent[1]
+
+
 def test_the_response_fields_the_client_reads_are_ones_sglang_writes():
     read = _strings_read(ast.parse(Path(client_module.__file__).read_text()))
     written = set().union(*IO.values())
