@@ -11,11 +11,13 @@ verbs: `rollout`, `train`, `train_rows`, `sync_weights`, `checkpoint`,
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import threading
 import time
-from functools import partial
+from concurrent.futures import Future
+from functools import cached_property, partial
 from typing import Any
 
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
@@ -34,7 +36,6 @@ class Job:
                  cpu_sets: dict[str, list[int]] | None = None):
         """`cpu_sets`: cores of the train and rollout groups when they share one machine (local executor)."""
         import ray
-        from transformers import AutoTokenizer
 
         from relax_core.data.prompts import build_prompt_source
         from relax_core.metrics.tracker import MetricsTracker
@@ -45,8 +46,7 @@ class Job:
         self.cpu_sets = cpu_sets or {}
         self.loop = asyncio.new_event_loop()
         self.model_dir = setup.prepare_model_dir(recipe, run)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir,
-                                                       trust_remote_code=setup.trust_remote_code(recipe))
+        self._tokenizer_load = None  # colocate: loading in a thread while the engines and trainers start
         self.prompts = build_prompt_source(recipe.data)
         if isinstance(recipe.data, FileData) and recipe.data.reward_key:  # before anything is started
             check_routes(self.prompts.reward_names(), recipe.data.reward_key, recipe.reward.plugin_dirs)
@@ -84,7 +84,14 @@ class Job:
                                          self.cpu_sets.get(group))
         self.engines = self._engine_set()
         engines_ready = self.engines.launch(self.recipe.rollout.num_engines)
-        trainers_ready = self._start_trainers()
+        self._create_trainers()
+        if self.recipe.mode == "colocate":
+            from relax_core.models.tokenizer import load_tokenizer
+
+            self._tokenizer_load = _in_thread(load_tokenizer, self.model_dir, setup.trust_remote_code(self.recipe))
+        if self.recipe.logging.tensorboard:  # the first step's log line would wait for torch's import
+            _in_thread(importlib.import_module, "torch.utils.tensorboard")
+        trainers_ready = self._setup_trainers()
         if self.recipe.mode != "colocate":
             self._start_services()
         urls = self._ray.get(engines_ready)
@@ -96,6 +103,16 @@ class Job:
             log.info("services ready: %s", self.services.ready(self._ray))
         else:
             self._connect()
+
+    @cached_property
+    def tokenizer(self):
+        """The model directory's tokenizer: colocate's rollout manager encodes the prompts and decodes the
+        responses with it (in the asynchronous modes the rollout service has its own)."""
+        if self._tokenizer_load is not None:
+            return self._tokenizer_load.result()
+        from relax_core.models.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.model_dir, setup.trust_remote_code(self.recipe))
 
     def _start_services(self) -> None:
         from relax_core.data.bus import SampleBus
@@ -138,7 +155,7 @@ class Job:
         return Router(node_ip(), None, str(self.model_dir), self.run.secret(ENGINE_KEY),
                       str(self.run.logs / "router.log"))
 
-    def _start_trainers(self) -> list:
+    def _create_trainers(self) -> None:
         world = self.recipe.train_ranks
         # Four threads (asynchronous modes): while a step trains, rank 0 broadcasts the weights of the
         # one before to the engines and hands them to the actor-forward worker, and every rank reads
@@ -146,6 +163,9 @@ class Job:
         actor = self._ray.remote(max_concurrency=4)(TrainerWorker)
         self.trainers = [actor.options(**self.slots.trainer_options(r)).remote(r, world) for r in range(world)]
         self.engines.trainer0 = self.trainers[0]
+
+    def _setup_trainers(self) -> list:
+        """Each rank's `setup` (its model loaded), once rank 0's rendezvous address is known."""
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
         config = setup.trainer_config(self.recipe)
         from relax_core.controller.colocate import shares_gpus
@@ -313,3 +333,17 @@ def timed(fn, *args) -> tuple[Any, float]:
     start = time.perf_counter()
     result = fn(*args)
     return result, time.perf_counter() - start
+
+
+def _in_thread(fn, *args) -> Future:
+    """`fn(*args)` in a daemon thread of its own; its result (or error) in the returned future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever reads the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"job-{getattr(fn, '__name__', 'load')}", daemon=True).start()
+    return future

@@ -317,20 +317,73 @@ def materialize_tiny_model(
                      intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings)
         _build_media_model(out, architecture, alphabet, seed, sizes)
         return out
-    import torch
-    from transformers import AutoModelForCausalLM
-
     tokenizer = build_char_tokenizer(alphabet)
-    config = CONFIG_BUILDERS[architecture](
-        len(tokenizer),
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    _write_model(out, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32), tokenizer, seed)
+    config = qwen3_config_dict(len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, intermediate_size=intermediate_size or 2 * hidden_size,
+                               max_position_embeddings=max_position_embeddings,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    _write_qwen3(out, config, tokenizer, seed)
     return out
+
+
+def qwen3_config_dict(vocab_size: int, *, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                      intermediate_size: int, max_position_embeddings: int, eos_token_id: int,
+                      pad_token_id: int) -> dict:
+    """The `config.json` that `tiny_qwen3_config(...).save_pretrained` writes, without importing transformers'
+    configuration code (which imports torch: 3 s of the driver's start-up)."""
+    from importlib.metadata import version
+
+    return {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": None, "dtype": "float32", "eos_token_id": eos_token_id,
+        "head_dim": hidden_size // num_heads, "hidden_act": "silu", "hidden_size": hidden_size,
+        "initializer_range": 0.02, "intermediate_size": intermediate_size,
+        "layer_types": ["full_attention"] * num_layers, "max_position_embeddings": max_position_embeddings,
+        "max_window_layers": 28, "num_attention_heads": num_heads, "num_hidden_layers": num_layers,
+        "num_key_value_heads": num_kv_heads, "pad_token_id": pad_token_id, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "sliding_window": None,
+        "tie_word_embeddings": False, "transformers_version": version("transformers"), "use_cache": True,
+        "use_sliding_window": False, "vocab_size": vocab_size,
+    }
+
+
+def qwen3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor of a Qwen3ForCausalLM (untied embeddings, no biases) of `config`."""
+    h, v, i = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    d, q, kv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
+                   p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, q * d),
+                   p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i)}
+    return shapes
+
+
+def _write_qwen3(out: Path, config: dict, tokenizer, seed: int) -> None:
+    """A Qwen3ForCausalLM directory written with numpy, not transformers' modeling code (whose import is about
+    3.5 s of the start-up's critical path). The weights are drawn as Qwen3's own initialisation draws them:
+    normal(0, initializer_range) for every matrix, the padding token's embedding row zero, norms one;
+    from `seed`, in name order, so every process that writes it writes the same."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in sorted(qwen3_shapes(config).items()):
+        if name.endswith("norm.weight"):
+            tensors[name] = np.ones(shape, dtype=np.float32)
+        else:
+            tensors[name] = (rng.standard_normal(shape, dtype=np.float32) * config["initializer_range"])
+    tensors["model.embed_tokens.weight"][config["pad_token_id"]] = 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {key: config[key] for key in ("eos_token_id", "pad_token_id", "transformers_version")}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    tokenizer.save_pretrained(out)

@@ -68,19 +68,19 @@ class RolloutService:
         """Loads the tokenizer and the prompts; `start` connects to the engines, the reward's judge
         engines (`reward.genrm`) and TransferQueue."""
         import torch
-        from transformers import AutoTokenizer
 
         from relax_core.config.schema import FileData
         from relax_core.controller import setup
         from relax_core.controller.workers import pin_process
         from relax_core.data.prompts import build_prompt_source
+        from relax_core.models.tokenizer import load_tokenizer
 
         if cpus:
             pin_process(cpus)
         torch.set_num_threads(1)  # tokenizing and packing columns: no intra-op work worth threads
         self.recipe, self.api_key, self.trainer0 = recipe, api_key, trainer0
         self.loop = asyncio.new_event_loop()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=setup.trust_remote_code(recipe))
+        tokenizer = load_tokenizer(model_dir, setup.trust_remote_code(recipe))
         self.prompts = build_prompt_source(recipe.data)
         self.tokenizer = tokenizer
         self.system = recipe.data.system_prompt if isinstance(recipe.data, FileData) else None

@@ -57,7 +57,7 @@ single_machine(); without_dashboard_process(); without_monitors()
 ray.init(num_cpus=2, num_gpus=int(sys.argv[3]), resources={"relax_train": 8, "relax_rollout": 8},
          include_dashboard=False, log_to_driver=False, configure_logging=False)
 slots = GpuSlots.reserve(ray, recipe)
-# as Job._start_trainers asks for them
+# as Job._create_trainers asks for them
 trainer = ray.remote(max_concurrency=4)(TrainerWorker)
 world = recipe.train_ranks
 trainers = [trainer.options(**slots.trainer_options(r)).remote(r, world) for r in range(world)]
