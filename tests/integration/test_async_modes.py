@@ -184,6 +184,7 @@ def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_t
 
 
 PPO = ("algorithm.name=ppo", "algorithm.critic.lr=0.01", "algorithm.critic.warmup_steps=1",
+       "algorithm.critic.value_clip=0.02",
        "rollout.max_staleness=0", "train.global_batch_size=8", "train.micro_batch_size=4", "train.lr=0.05")
 POLICY_KEYS = ("pg_loss", "ratio_min", "ratio_max", "clipfrac", "grad_norm", "reward_mean", "optimizer_steps")
 CRITIC_KEYS = ("value_loss", "vf_clipfrac")
