@@ -108,7 +108,9 @@ def test_abort_all_ends_a_rollout_batch_at_once_and_the_batch_is_not_scored(tiny
     from relax_core.rollout.manager import RolloutManager, SamplingConfig
 
     scored: list[str] = []
-    rows = [{"prompt": "ab", "label": "ab"}, {"prompt": "cd", "label": "cd"}]
+    # Greedy answers to these two prompts run the full 480 tokens on the seed-0 tiny model (others end within
+    # 200), so the abort lands in the middle of every answer.
+    rows = [{"prompt": "ag", "label": "ag"}, {"prompt": "gd", "label": "gd"}]
 
     async def scenario(url: str) -> float:
         client = EngineClient(url, api_key=ENGINE_API_KEY, timeout=120)
