@@ -133,12 +133,15 @@ def finished_requests(url: str, key: str) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
 def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
-    """`relax submit recipes/quickstart.yaml mode=...`, as a user types it (colocate: test_local_run.py)."""
+    """`relax submit recipes/quickstart.yaml mode=...`, as a user types it but shorter (colocate, all 150 steps:
+    test_local_run.py)."""
     import json
 
     from test_local_run import relax
 
-    proc = relax("submit", str(QUICKSTART), f"mode={mode}", "--executor", "local", "--run-dir", "qs", cwd=tmp_path)
+    # 80 of the recipe's 150 steps: the 5-step mean reward passes 0.6 by step 40 and is about 0.96 at step 80
+    proc = relax("submit", str(QUICKSTART), f"mode={mode}", "train.steps=80", "--executor", "local",
+                 "--run-dir", "qs", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "qs" / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
