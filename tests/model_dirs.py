@@ -73,3 +73,19 @@ def echo_judge_model(folder: Path) -> Path:
             layer.mlp.down_proj.weight.zero_()
     model.save_pretrained(folder)
     return folder
+
+
+def tiny_qwen3_moe(folder: Path, *, seed: int = 0, experts: int = 4, top_k: int = 2, tied: bool = False) -> Path:
+    """A random-weight Qwen3-MoE (every layer sparse, `experts` experts, top-`top_k` routing) and the tiny
+    char tokenizer, for the Megatron backend's expert-parallel tests."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = tiny.build_char_tokenizer(ALPHABET)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512,
+                            tie_word_embeddings=tied, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=None, output_router_logits=False)
+    tiny._write_model(folder, lambda: Qwen3MoeForCausalLM(config), tokenizer, seed)
+    return folder

@@ -45,9 +45,15 @@ def _hf_names(name: str, tensor: torch.Tensor, config: dict[str, Any]) -> list[t
     return [(name, tensor)]  # the torch backend trains the HF model itself
 
 
+def _megatron_names(name: str, tensor: torch.Tensor, config: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    from relax_core.train.megatron.hf_weights import checkpoint_to_hf  # torch only, no megatron-core
+
+    return checkpoint_to_hf(name, tensor, config)
+
+
 # The one place where checkpoint weight names become HF names, keyed by the
-# `model_naming` recorded in relax_meta.json. The Megatron backend registers "megatron" here.
-NAME_MAPPERS: dict[str, NameMapper] = {"hf": _hf_names}
+# `model_naming` recorded in relax_meta.json ("megatron": a Megatron distributed checkpoint's global keys).
+NAME_MAPPERS: dict[str, NameMapper] = {"hf": _hf_names, "megatron": _megatron_names}
 
 
 def register_name_mapper(naming: str, mapper: NameMapper) -> None:
@@ -84,6 +90,10 @@ class ModelSection:
     def _tensor_entries(self) -> dict[str, str]:
         """DCP name -> checkpoint weight name, for the tensors of the model section."""
         key = self.meta.get("model_key", "model")
+        if self.meta.get("model_naming") == "megatron":  # no paths object: the DCP keys are the names
+            from relax_core.checkpoint.megatron import model_keys
+
+            return {name: name for name in model_keys(self.metadata)}
         paths = read_saved_paths(self.iter_dir, self.metadata, collective=False)
         saved = self.metadata.state_dict_metadata
         entries = {

@@ -2,10 +2,12 @@
 
 Two independent routes to the same model: (a) the checkpoint's own HF
 config with the weights read straight from the DCP files into a model
-built by `from_config`, and (b) `AutoModelForCausalLM.from_pretrained` on
-the exported directory, which exercises the safetensors shards, the index
-and the config as any downstream user would. Both run on a fixed batch of
-token ids in fp32; their logits must agree.
+built by `from_config` (a Megatron checkpoint: the megatron-core model built
+from that config, its weights loaded by `dist_checkpointing`, on one rank),
+and (b) `AutoModelForCausalLM.from_pretrained` on the exported directory,
+which exercises the safetensors shards, the index and the config as any
+downstream user would. Both run on a fixed batch of token ids in fp32; their
+logits must agree.
 
 A Qwen3-VL / Qwen3-Omni export is loaded with the directory's own class
 (for Omni the full `Qwen3OmniMoeForConditionalGeneration`, every weight
@@ -64,7 +66,12 @@ def verify_export(
         raise CheckpointError(f"{section.config_dir / 'config.json'}: the model ships its own code (auto_map); "
                               "verifying it runs that code: pass --trust-remote-code if you trust it")
     media = media_layout(section.config_dir)
-    reference = _model_from_checkpoint(section, trust_remote_code, media)
+    if section.meta.get("model_naming") == "megatron":  # the Megatron model itself, built from the checkpoint
+        from relax_core.checkpoint.megatron import reference_model
+
+        reference = reference_model(section.iter_dir, section.config)
+    else:
+        reference = _model_from_checkpoint(section, trust_remote_code, media)
     if media is None:
         exported = _load_exported(Path(out_dir), trust_remote_code)
         inputs = {"input_ids": _fixed_batch(reference.config.vocab_size, batch_size, seq_len, seed)}

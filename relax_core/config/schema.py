@@ -302,24 +302,27 @@ class TorchTrainConfig(TrainCommon):
 
 
 class MegatronTrainConfig(TrainCommon):
-    """The Megatron-core backend (large models; tensor/pipeline/context/expert parallel).
-
-    Not available in this version: a recipe using it is refused (launch/preflight.py)."""
+    """The megatron-core backend: Qwen3 and Qwen3-MoE built with megatron-core's own layers, tensor /
+    pipeline / expert parallel, Megatron distributed checkpoints (train/megatron/)."""
 
     backend: Literal["megatron"] = "megatron"
     """Training backend: `megatron`."""
+    cpu_ranks_per_node: int = Field(1, ge=1)
+    """Trainer processes per node when the node has no GPU (data x tensor x pipeline parallel, over gloo)."""
     tensor_parallel: int = Field(1, ge=1)
-    """Tensor-parallel size."""
+    """Tensor-parallel size: attention heads, MLP columns and the vocabulary split over this many ranks."""
     pipeline_parallel: int = Field(1, ge=1)
-    """Pipeline-parallel size."""
+    """Pipeline-parallel size: the layers split into this many stages (1F1B schedule)."""
     context_parallel: int = Field(1, ge=1)
-    """Context-parallel size."""
+    """Context-parallel size (needs Transformer Engine's attention: only 1 in this version)."""
     expert_parallel: int = Field(1, ge=1)
-    """Expert-parallel size (mixture-of-experts models)."""
+    """Expert-parallel size (Qwen3-MoE): each MoE layer's experts split over this many data-parallel ranks."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (with tensor parallelism)."""
+    """Megatron sequence parallelism: norms and dropout split along the sequence over the TP ranks."""
     recompute_activations: bool = False
-    """Recompute activations in the backward pass to save memory."""
+    """Recompute each layer's activations in the backward pass (Megatron's full, uniform recomputation)."""
+    distributed_optimizer: bool = False
+    """Shard the optimizer state (fp32 master weights, Adam moments) over the data-parallel ranks."""
 
     @property
     def model_parallel(self) -> int:
@@ -618,13 +621,7 @@ def _train_problems(r: Recipe) -> list[str]:
     if group.nodes < 1:
         problems.append("cluster.train.nodes: the training group needs at least 1 node")
     if isinstance(train, MegatronTrainConfig):
-        if not group.gpus_per_node:
-            problems.append("cluster.train.gpus_per_node: the megatron backend needs GPUs")
-        elif group.gpus % train.model_parallel:
-            problems.append(
-                f"train.tensor_parallel: tensor x pipeline x context parallel = {train.model_parallel} "
-                f"does not divide the {group.gpus} training GPUs"
-            )
+        problems += _megatron_problems(r, train)
     if not problems and r.samples_per_step % r.data_parallel:
         problems.append(
             f"rollout.prompts_per_step: {r.rollout.prompts_per_step} prompts x "
@@ -632,6 +629,22 @@ def _train_problems(r: Recipe) -> list[str]:
             f"split evenly over {r.data_parallel} data-parallel ranks"
         )
     return problems or _batch_problems(r)
+
+
+def _megatron_problems(r: Recipe, train: MegatronTrainConfig) -> list[str]:
+    """The parallel sizes must tile the trainer ranks (GPUs, or `cpu_ranks_per_node` processes per node)."""
+    where = f"{r.train_ranks} training GPUs" if r.cluster.train.gpus_per_node else \
+        f"{r.train_ranks} trainer ranks (cluster.train.nodes x train.cpu_ranks_per_node)"
+    if r.train_ranks % train.model_parallel:
+        return [f"train.tensor_parallel: tensor x pipeline x context parallel = {train.model_parallel} does not "
+                f"divide the {where}"]
+    problems = []
+    if r.data_parallel % train.expert_parallel:
+        problems.append(f"train.expert_parallel: {train.expert_parallel} does not divide the {r.data_parallel} "
+                        f"data-parallel ranks ({where} / {train.model_parallel} model-parallel)")
+    if train.sequence_parallel and train.tensor_parallel == 1:
+        problems.append("train.sequence_parallel: needs train.tensor_parallel > 1")
+    return problems
 
 
 def _batch_problems(r: Recipe) -> list[str]:

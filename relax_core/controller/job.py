@@ -173,8 +173,9 @@ class Job:
         # On shared GPUs every rank hands its own gathered buckets over (weights/ipc.py): no whole copy kept.
         keep_live = not shares_gpus(self.recipe)
         sglang = self.recipe.rollout.engine == "sglang"  # loads weights by the model directory's own names
+        megatron = setup.megatron_options(self.recipe)
         return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"),
-                               keep_live, sglang)
+                               keep_live, sglang, megatron)
                 for t in self.trainers]
 
     def _connect(self) -> None:

@@ -118,8 +118,29 @@ def trainer_config(recipe: Recipe):
         critic_service=critic_service(recipe),
         kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed,
         dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe),
-        **_teacher(algo), **_critic(algo), **_torch_backend(recipe),
+        **_teacher(algo), **_critic(algo), **_torch_backend(recipe), **_megatron_backend(recipe),
     )
+
+
+def _megatron_backend(recipe: Recipe) -> dict:
+    """The megatron backend's device and recomputation (its other fields: `megatron_options`)."""
+    train = recipe.train
+    if train.backend != "megatron":
+        return {}
+    return {"device": "cuda" if recipe.cluster.train.gpus_per_node > 0 else "cpu",
+            "recompute_activations": train.recompute_activations}
+
+
+def megatron_options(recipe: Recipe):
+    """The megatron backend's parallel layout (`train/megatron/model.MegatronOptions`); None for torch."""
+    train = recipe.train
+    if train.backend != "megatron":
+        return None
+    from relax_core.train.megatron.model import MegatronOptions, Parallel
+
+    return MegatronOptions(Parallel(train.tensor_parallel, train.pipeline_parallel, train.context_parallel,
+                                    train.expert_parallel, train.sequence_parallel),
+                           distributed_optimizer=train.distributed_optimizer)
 
 
 def _torch_backend(recipe: Recipe) -> dict:

@@ -1,6 +1,7 @@
 """The processes the controller places with Ray: trainer ranks and engine servers.
 
-`TrainerWorker` is one data-parallel rank of the torch backend (rank 0 also
+`TrainerWorker` is one rank of the trainer world (the torch backend's data-parallel
+ranks, or the megatron backend's data x tensor x pipeline grid; rank 0 also
 owns the weight broadcaster). `EngineWorker` starts one rollout engine server
 (the CPU engine, or SGLang on the actor's GPUs) as a child process, waits until
 it is healthy, and stops its process group (`engine_process.py`). Both are
@@ -133,15 +134,14 @@ class TrainerWorker:
                              timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
 
     def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None,
-              keep_live: bool = True, checkpoint_names: bool = False) -> int:
+              keep_live: bool = True, checkpoint_names: bool = False, megatron=None) -> int:
         """Join the group and load the model. `keep_live` (sharded): rank 0 keeps the whole weights after
         every change (`_gather_live`); off where every rank hands its own buckets over instead.
         `checkpoint_names` (SGLang engines): weights go to the engines under the model directory's own
-        names (`hf_media.checkpoint_named`: a multimodal model's differ from its parameters')."""
+        names (`hf_media.checkpoint_named`: a multimodal model's differ from its parameters').
+        `megatron` (`MegatronOptions`): the megatron backend with this parallel layout."""
         import torch
         import torch.distributed as dist
-
-        from relax_core.train.torch_backend import TorchTrainer
 
         if cpus:
             pin_process(cpus)
@@ -152,27 +152,46 @@ class TrainerWorker:
                                     rank=self.rank, world_size=self.world_size)
         self.model_dir = model_dir
         self._engine_names = None
+        self._fuse = None  # megatron backend, MoE: per-expert tensors -> the transformers model's fused ones
         if checkpoint_names:
             from relax_core.checkpoint.hf_media import checkpoint_named
 
             self._engine_names = checkpoint_named(model_dir)
         self.keep_live = keep_live
-        self.trainer = TorchTrainer(model_dir, dataclasses.replace(config, device=device))
+        config = dataclasses.replace(config, device=device)
+        if megatron is not None:
+            from relax_core.train.megatron.hf_weights import transformers_named
+            from relax_core.train.megatron.trainer import MegatronTrainer
+
+            self.trainer = MegatronTrainer(model_dir, config, megatron.parallel,
+                                           distributed_optimizer=megatron.distributed_optimizer)
+            self._fuse = transformers_named(self.trainer.hf_config)
+            if not checkpoint_names:  # the CPU engine loads by the transformers model's parameter names
+                self._engine_names = self._fuse
+        else:
+            from relax_core.train.torch_backend import TorchTrainer
+
+            self.trainer = TorchTrainer(model_dir, config)
         self._gather_live()
         return self.rank
+
+    @property
+    def _collective(self) -> bool:
+        """Reading the whole weights takes every rank (FSDP's shards; Megatron's TP/PP/EP shards)."""
+        return bool(getattr(self.trainer, "collective_weights", self.trainer.sharded))
 
     def _gather_live(self) -> None:
         """Sharded: gather the weights whole after every change (every rank takes part), rank 0 keeping
         them, so what reads the live weights on rank 0 alone (weight sync, the actor-forward service,
         an added engine's resend) needs no other rank. Unsharded, rank 0 reads its own parameters."""
-        if not (self.trainer.sharded and self.keep_live):
+        if not (self._collective and self.keep_live):
             return
         gathered = [(n, t.clone()) for n, t in self.trainer.named_parameters_for_sync()]
         self.live = gathered if self.rank == 0 else None
 
     def _live_weights(self):
         """Rank 0: (name, tensor) of the current weights, full and in the compute dtype."""
-        return iter(self.live) if self.trainer.sharded else self.trainer.named_parameters_for_sync()
+        return iter(self.live) if self._collective else self.trainer.named_parameters_for_sync()
 
     def node_id(self) -> str:
         from relax_core.services.placement import node_id
@@ -187,7 +206,7 @@ class TrainerWorker:
         metrics = self.trainer.train_step(samples, advantages, ref_logprobs, old_logprobs, values)
         self._gather_live()
         if snapshot_version is not None and self.rank == 0:
-            copy = self.live if self.trainer.sharded else [(n, t.detach().clone()) for n, t in self._live_weights()]
+            copy = self.live if self._collective else [(n, t.detach().clone()) for n, t in self._live_weights()]
             self.snapshot = (snapshot_version, copy)
         return metrics
 
@@ -246,9 +265,12 @@ class TrainerWorker:
         (asynchronous modes, while the next step trains), or (`version` given, nothing training) the
         live weights as that version."""
         if version is None and self.snapshot is not None:
+            if self._fuse is not None:  # the actor-forward worker loads a transformers model
+                return self.snapshot[0], list(self._fuse(self.snapshot[1]))
             return self.snapshot
         version = self.trainer.step if version is None else version
-        return version, [(n, t.detach().clone()) for n, t in self._live_weights()]
+        named = self._live_weights() if self._fuse is None else self._fuse(self._live_weights())
+        return version, [(n, t.detach().clone()) for n, t in named]
 
     def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int, ranks_per_engine: int,
                         backend: str, sources: dict[str, list[int]] | None = None) -> None:
@@ -317,10 +339,19 @@ class TrainerWorker:
         if resend and self.sent is not None:
             self._broadcast(*self.sent)
 
+    @property
+    def _megatron(self) -> bool:
+        return hasattr(self.trainer, "sharded_state_dict")
+
     def save_checkpoint(self, ckpt_dir: str, iteration: int, extra: dict[str, Any], keep_last: int,
                         critic: dict | None = None) -> str:
         """Save this rank's state (every rank calls it); `critic`: the critic service's state (rank 0,
         fully_async), saved under the "critic" key, where the trainer's own critic would be."""
+        if self._megatron:
+            from relax_core.checkpoint import megatron as megatron_ckpt
+
+            return str(megatron_ckpt.save(ckpt_dir, iteration, self.trainer, extra, keep_last=keep_last,
+                                          hf_dir=self.model_dir))
         from relax_core.checkpoint import save_checkpoint
 
         state = {**self.trainer.state_dict(), **({"critic": critic} if critic is not None else {}), "progress": extra}
@@ -328,6 +359,12 @@ class TrainerWorker:
 
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, Any]:
         """Load the latest checkpoint into this rank; returns the saved progress."""
+        if self._megatron:
+            from relax_core.checkpoint import megatron as megatron_ckpt
+
+            progress = megatron_ckpt.load(ckpt_dir, self.trainer)
+            self._gather_live()
+            return progress
         from relax_core.checkpoint import load_checkpoint
 
         state = {**self.trainer.state_dict(), "progress": {}}

@@ -25,8 +25,6 @@ from relax_core.models.tiny import TEMPLATE_CHARS
 # character, one per special token): "<|im_start|>user\n" ... "<|im_end|>\n<|im_start|>assistant\n".
 _TINY_TEMPLATE_TOKENS = 1 + 5 + 1 + 1 + 1 + 10
 _NOT_YET = "is not available in this version of Relax"
-_MEGATRON_FIELDS = ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel",
-                    "sequence_parallel", "recompute_activations")
 
 
 def preflight(recipe: Recipe, recipe_path: str | Path, executor) -> None:
@@ -208,13 +206,61 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     """
     problems = _engine_problems(recipe) + _media_model_problems(recipe)
     if recipe.train.backend == "megatron":
-        problems.append(f"train.backend: megatron (with {', '.join(_MEGATRON_FIELDS)}) {_NOT_YET}; "
-                        "use train.backend=torch")
+        problems += _megatron_problems(recipe)
     if recipe.cluster.reference.gpus_per_node:
         problems.append(f"cluster.reference.gpus_per_node: the reference service on GPUs {_NOT_YET} (it runs "
                         "on CPU); set it to 0, or leave cluster.reference out to compute the reference "
                         "log-probs in the trainer's processes")
     return problems
+
+
+def _megatron_problems(recipe: Recipe) -> list[str]:
+    """What the megatron backend does not build: context parallelism (Transformer Engine's attention), PPO's
+    critic, a distillation teacher, vision/audio models, and models other than Qwen3 / Qwen3-MoE (known from
+    a tiny model's architecture or a local model directory's config.json; a hub id is checked when the
+    trainer loads it)."""
+    train, algo, problems = recipe.train, recipe.algorithm, []
+    if train.context_parallel > 1:
+        problems.append(f"train.context_parallel: {train.context_parallel} (megatron-core's context parallelism "
+                        f"needs Transformer Engine's attention) {_NOT_YET}; set it to 1")
+    if getattr(algo, "critic", None) is not None:
+        problems.append(f"algorithm.critic: a critic with train.backend=megatron {_NOT_YET}; use "
+                        "train.backend=torch for PPO, or an algorithm without a critic")
+    if getattr(algo, "teacher", None) is not None:
+        problems.append(f"algorithm.teacher: a distillation teacher with train.backend=megatron {_NOT_YET}; "
+                        "use train.backend=torch")
+    config = _local_config(recipe)
+    if config is not None:
+        from relax_core.train.megatron.model import Parallel, unsupported
+
+        par = Parallel(train.tensor_parallel, train.pipeline_parallel, train.context_parallel,
+                       train.expert_parallel, train.sequence_parallel)
+        field = "model.architecture" if isinstance(recipe.model, TinyModel) else "model.path"
+        problems += [p.replace("model:", f"{field}:", 1) for p in unsupported(config, par)]
+    elif isinstance(recipe.model, TinyModel):
+        problems.append(f"model.architecture: the megatron backend builds Qwen3 and Qwen3-MoE, not "
+                        f"{recipe.model.architecture}; use train.backend=torch")
+    return problems
+
+
+def _local_config(recipe: Recipe) -> dict | None:
+    """The model's config.json when it is known before the run: a tiny Qwen3's, or a local directory's."""
+    import json
+
+    model = recipe.model
+    if isinstance(model, TinyModel):
+        if model.architecture != "qwen3":
+            return None
+        from relax_core.models import tiny
+
+        return tiny.qwen3_config_dict(1, hidden_size=model.hidden_size, num_layers=model.num_layers,
+                                      num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                                      intermediate_size=2 * model.hidden_size,
+                                      max_position_embeddings=512, eos_token_id=0, pad_token_id=0)
+    local = Path(model.path).expanduser()
+    if looks_like_hub_id(model.path) or not (local / "config.json").is_file():
+        return None
+    return json.loads((local / "config.json").read_text())
 
 
 def _engine_problems(recipe: Recipe) -> list[str]:

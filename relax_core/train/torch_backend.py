@@ -188,13 +188,17 @@ class TorchTrainer:
             betas=tuple(cfg.betas),
             eps=cfg.adam_eps,
         )
-        self.scheduler = build_scheduler(
-            self.optimizer,
-            cfg.lr_schedule,
-            warmup_steps=cfg.warmup_steps,
-            total_steps=cfg.total_steps,
-            min_lr_ratio=cfg.min_lr_ratio,
-        )
+        self.scheduler = self._build_scheduler(self.optimizer)
+        self._init_algorithm()
+
+    def _build_scheduler(self, optimizer):
+        cfg = self.config
+        return build_scheduler(optimizer, cfg.lr_schedule, warmup_steps=cfg.warmup_steps,
+                               total_steps=cfg.total_steps, min_lr_ratio=cfg.min_lr_ratio)
+
+    def _init_algorithm(self) -> None:
+        """The algorithm's estimator, policy loss, token selection, aggregation and KL estimator."""
+        cfg = self.config
         self.step = 0
         self.spec = spec = get_spec(cfg.algorithm)
         self._estimator = registry.get_estimator(spec.advantage_estimator)
@@ -530,8 +534,14 @@ class TorchTrainer:
         self, micro: _Micro, mini: _Mini
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This micro-batch's contribution to the mini-batch loss, its metric sums and ratio extremes."""
+        logp, entropy = forward_logprobs(self.model, micro.mb, with_entropy=True)
+        return self._loss_from(logp, entropy, micro, mini)
+
+    def _loss_from(self, logp: torch.Tensor, entropy: torch.Tensor, micro: _Micro, mini: _Mini
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_micro_loss` given the update forward's log-probs and entropy (a backend with its own
+        forward, such as Megatron's pipeline schedule, calls this from its loss function)."""
         cfg, mb = self.config, micro.mb
-        logp, entropy = forward_logprobs(self.model, mb, with_entropy=True)
         logp_old = logp.detach() if micro.logp_old is None else micro.logp_old
         mask = mb.loss_mask if micro.keep is None else mb.loss_mask * micro.keep
         out = self._policy_loss(logp, logp_old, micro.advantages, mask=mb.loss_mask,

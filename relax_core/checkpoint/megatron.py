@@ -1,0 +1,184 @@
+"""Megatron distributed checkpoints of the Megatron backend (`megatron.core.dist_checkpointing`).
+
+`CKPT/iter_XXXXXXX/` is what Megatron-LM's `save_checkpoint` writes with
+`--ckpt-format torch_dist`: the sharded state dict of the model (`model`),
+of megatron-core's optimizer (`optimizer`, its parameter-keyed form) and the
+common entries Megatron-LM reads back (`iteration`, `checkpoint_version`,
+`args`, `opt_param_scheduler`, `rng_state` per TP/PP rank), in
+`dist_checkpointing`'s files (`*.distcp`, `.metadata`, `common.pt`,
+`metadata.json`), plus Relax's `relax` entry (the run's progress: data
+cursor, step, policy version) and `relax_meta.json` (model naming
+"megatron", where the HF config is). The layout around it is the torch
+backend's: staged in `.tmp_iter_XXXXXXX/`, published by a rename, then the
+tracker `latest_checkpointed_iteration.txt`, then pruning (`dcp.py`).
+
+Megatron's sharded tensors are global: a checkpoint saved with one TP/PP/EP
+layout loads into another (and into another data-parallel size), as
+Megatron-LM allows. `hf_export` reads the model's tensors from the same
+files with torch's DCP reader (`hf_weights.checkpoint_to_hf` names them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from relax_core.checkpoint import dcp, layout
+from relax_core.checkpoint.layout import CheckpointError
+
+NAMING = "megatron"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current `checkpoint_version`
+PROGRESS_KEY = "relax"
+# DCP keys of the model section are the names; everything else belongs to these
+_NOT_MODEL = ("optimizer.", "chained_", "rng_state", "opt_param_scheduler", "iteration", "args",
+              "checkpoint_version", PROGRESS_KEY)
+
+
+def megatron_args(trainer) -> argparse.Namespace:
+    """The `args` Megatron-LM checks when it loads a checkpoint (`check_checkpoint_args`)."""
+    c, par = trainer.hf_config, trainer.par
+    heads = c["num_attention_heads"]
+    return argparse.Namespace(
+        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
+        num_attention_heads=heads, num_query_groups=c.get("num_key_value_heads") or heads,
+        group_query_attention=(c.get("num_key_value_heads") or heads) != heads,
+        kv_channels=c.get("head_dim") or c["hidden_size"] // heads, max_position_embeddings=c.get(
+            "max_position_embeddings"), position_embedding_type="rope", normalization="RMSNorm",
+        swiglu=True, qk_layernorm=True, untie_embeddings_and_output_weights=not c.get("tie_word_embeddings"),
+        padded_vocab_size=trainer.module.vocab_size, tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp, context_parallel_size=par.cp, expert_model_parallel_size=par.ep,
+        sequence_parallel=par.sequence_parallel, num_experts=c.get("num_experts") or c.get("num_local_experts"),
+        moe_router_topk=c.get("num_experts_per_tok"), transformer_impl="local", ckpt_format="torch_dist",
+        params_dtype=getattr(torch, trainer.config.dtype), bf16=trainer.config.dtype == "bfloat16", fp16=False,
+        use_distributed_optimizer=trainer.distributed_optimizer, data_parallel_size=trainer.world_size,
+        world_size=dist.get_world_size(), seed=trainer.config.seed, lr=trainer.config.lr,
+        iteration=trainer.step, consumed_train_samples=0,
+    )
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core import tensor_parallel
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _sharded_rng(state: dict[str, Any] | None = None):
+    """Megatron-LM's `rng_state` entry: a list of one rank's states, one object per TP/PP rank (the
+    data-parallel replicas hold copies)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    pp_n, tp_n = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", [state if state is not None else _rng_state()], (pp_n, tp_n), (pp, tp),
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def _state(trainer, iteration: int, progress: dict[str, Any] | None, rng: bool = True, *,
+           loading: bool = False) -> dict[str, Any]:
+    state = trainer.sharded_state_dict(loading=loading)
+    state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=megatron_args(trainer))
+    if progress is not None:
+        state[PROGRESS_KEY] = progress
+    if rng:
+        state["rng_state"] = _sharded_rng()
+    return state
+
+
+def save(ckpt_dir: str | os.PathLike, iteration: int, trainer, progress: dict[str, Any], *,
+         keep_last: int | None = None, hf_dir: str | os.PathLike | None = None) -> Path:
+    """Write `CKPT/iter_{iteration:07d}/` as a Megatron distributed checkpoint and mark it latest; every rank
+    of the trainer world calls this."""
+    from megatron.core import dist_checkpointing
+
+    from relax_core.train.megatron import compat
+
+    root = Path(ckpt_dir)
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    staging = layout.tmp_dir_for(root, layout.iteration_dirname(iteration))
+    dcp._on_rank0(lambda: dcp._prepare(root, staging), None)
+    with compat.on_cpu():
+        dist_checkpointing.save(_state(trainer, iteration, progress), str(staging))
+    meta = dcp._meta(iteration, hf_dir, NAMING, None)
+    meta["megatron"] = {"tp": trainer.par.tp, "pp": trainer.par.pp, "ep": trainer.par.ep,
+                        "distributed_optimizer": trainer.distributed_optimizer}
+    dcp._on_rank0(lambda: dcp._finish(root, staging, iteration, meta, None, hf_dir, keep_last), None)
+    return layout.get_checkpoint_name(root, iteration)
+
+
+def load(ckpt_dir: str | os.PathLike, trainer, iteration: int | None = None) -> dict[str, Any]:
+    """Load the latest (or the given) iteration into the trainer (model, optimizer, schedule, RNG of this
+    TP/PP rank); returns the run's progress. Every rank calls this."""
+    from megatron.core import dist_checkpointing
+
+    from relax_core.train.megatron import compat
+
+    iteration, iter_dir = layout.resolve_iteration(ckpt_dir, iteration)
+    meta = layout.read_meta(iter_dir)
+    if meta.get("model_naming") != NAMING:
+        raise CheckpointError(f"{iter_dir} was written by the {meta.get('model_naming')!r} backend "
+                              "(train.backend=torch); the megatron backend resumes its own checkpoints only")
+    template = _state(trainer, iteration, None, loading=True)
+    template.pop("args")
+    with compat.on_cpu():
+        loaded = dist_checkpointing.load(template, str(iter_dir))
+    trainer.load_sharded(loaded)
+    trainer.step = int(loaded["iteration"])
+    _restore_rng(loaded["rng_state"][0] if isinstance(loaded["rng_state"], list) else loaded["rng_state"])
+    common = dist_checkpointing.load_common_state_dict(str(iter_dir))
+    return common.get(PROGRESS_KEY, {})
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def model_keys(metadata) -> list[str]:
+    """The model's tensors in a Megatron checkpoint's DCP metadata (optimizer, RNG and `_extra_state` left
+    out)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return [name for name, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata) and not name.startswith(_NOT_MODEL)
+            and "_extra_state" not in name]
+
+
+def reference_model(iter_dir: Path, config: dict[str, Any]):
+    """The megatron-core model of a checkpoint, on this process alone (TP = PP = EP = 1, whatever layout
+    the run saved with: `dist_checkpointing` reshards), as an HF-like causal LM (`forward.CausalLM`)."""
+    from megatron.core import dist_checkpointing
+
+    from relax_core.train.megatron import compat
+    from relax_core.train.megatron.forward import CausalLM
+    from relax_core.train.megatron.model import Parallel, build_model
+    from relax_core.train.megatron.parallel import initialize
+    from relax_core.train.megatron.trainer import ensure_world
+
+    ensure_world("cpu")
+    initialize(Parallel(), seed=0)
+    model = build_model(config, Parallel())
+    template = model.sharded_state_dict()
+    with compat.on_cpu():
+        loaded = dist_checkpointing.load(template, str(iter_dir))
+    model.load_state_dict({key: value for key, value in loaded.items() if key in template})  # not the common
+    return CausalLM(model.eval(), config["vocab_size"]).eval()

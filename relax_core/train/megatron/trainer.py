@@ -1,0 +1,412 @@
+"""The Megatron backend's trainer: the torch backend's algorithm code on a megatron-core model.
+
+`MegatronTrainer` is a `TorchTrainer` whose model is a megatron-core
+`GPTModel` (model.py), sharded over tensor, pipeline and expert parallel
+groups (parallel.py) and loaded from the HF checkpoint (hf_weights.py). What
+it shares with the torch backend is everything an algorithm is made of: the
+step's advantages, the mini-batches and their normalisers, the policy loss,
+its aggregation, the KL and the metrics (`TorchTrainer._loss_from`). What
+differs:
+
+- forward and backward run through megatron-core's own schedule
+  (`get_forward_backward_func`: 1F1B with pipeline parallelism), with the loss
+  function computing `_loss_from` on the last stage;
+- the model is wrapped in megatron-core's `DistributedDataParallel` and the
+  gradients are finished by `finalize_model_grads` (data-parallel sums,
+  sequence-parallel norms, pipeline-tied embeddings) and stepped by
+  megatron-core's optimizer (`get_megatron_optimizer`: Adam with decoupled
+  weight decay, none on biases and norms, gradient clipping over the
+  model-parallel ranks, optionally the distributed optimizer);
+- "data parallel" means Megatron's data-parallel group: the ranks of one
+  model-parallel group (TP x PP) first pool the samples the controller
+  handed each of them, so all of them train on the same rows;
+- with expert parallelism every data-parallel rank runs as many passes as the
+  busiest one (the experts' token exchange is a collective), like FSDP's;
+- weights go to the engines and to checkpoints as megatron-core keeps them:
+  `named_parameters_for_sync` gathers the HF tensors, `save`/`load` write
+  Megatron distributed checkpoints (checkpoint.py).
+
+Gradients are summed over data-parallel ranks (`calculate_per_token_loss`
+semantics: no 1/DP scaling), the loss being normalised by the step-global
+token and sequence counts, as in the torch backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from relax_core.algorithms.specs import get_spec  # noqa: F401  (the spec is read in _init_algorithm)
+from relax_core.rollout.types import Sample
+from relax_core.train.batching import MicroBatch, response_logprobs
+from relax_core.train.config import TorchTrainerConfig
+from relax_core.train.megatron import compat
+from relax_core.train.megatron.forward import attention_mask_, full_logits
+from relax_core.train.megatron.model import Parallel, build_model
+from relax_core.train.optim import lr_lambda
+from relax_core.train.torch_backend import _SUMS, TorchTrainer, _Micro, _Mini
+
+
+class LambdaSchedule:
+    """The torch backend's lr schedule (`optim.lr_lambda`) set on a Megatron optimizer's param groups; its
+    state is saved in the fields of Megatron-LM's `OptimizerParamScheduler`, so Megatron-LM reads it."""
+
+    STYLES = {"constant": "constant", "cosine": "cosine", "linear": "linear"}
+
+    def __init__(self, optimizer, cfg: TorchTrainerConfig):
+        self.optimizer, self.cfg = optimizer, cfg
+        self.factor = lr_lambda(cfg.lr_schedule, warmup_steps=cfg.warmup_steps, total_steps=cfg.total_steps,
+                                min_lr_ratio=cfg.min_lr_ratio)
+        self.num_steps = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * self.factor(self.num_steps)
+
+    def get_last_lr(self) -> list[float]:
+        return [self.cfg.lr * self.factor(self.num_steps)]
+
+    def step(self) -> None:
+        self.num_steps += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        cfg = self.cfg
+        return {"max_lr": cfg.lr, "min_lr": cfg.lr * cfg.min_lr_ratio, "lr_warmup_steps": cfg.warmup_steps,
+                "lr_decay_steps": cfg.total_steps, "lr_decay_style": self.STYLES[cfg.lr_schedule],
+                "num_steps": self.num_steps, "start_wd": cfg.weight_decay, "end_wd": cfg.weight_decay,
+                "wd_incr_steps": cfg.total_steps, "wd_incr_style": "constant"}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self._apply()
+
+
+def ensure_world(device: str) -> None:
+    """megatron-core needs torch.distributed even for one rank: a one-process group then."""
+    if dist.is_initialized():
+        return
+    store = dist.HashStore()
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store, rank=0, world_size=1)
+
+
+class MegatronTrainer(TorchTrainer):
+    """Trains one Qwen3 / Qwen3-MoE with megatron-core over the trainer world (see the module docstring).
+
+    Args:
+        model_path: HF model directory (config.json, safetensors).
+        config: the torch backend's settings (optimizer, batching, loss).
+        parallel: tensor / pipeline / context / expert parallel sizes and sequence parallelism.
+        distributed_optimizer: shard the optimizer state over the data-parallel ranks.
+        ref_model_path: frozen reference for the KL; defaults to `model_path`.
+    """
+
+    def __init__(self, model_path: str | Path, config: TorchTrainerConfig, parallel: Parallel, *,
+                 distributed_optimizer: bool = False, ref_model_path: str | Path | None = None) -> None:
+        from megatron.core import parallel_state as ps
+
+        from relax_core.train.megatron import hf_weights
+        from relax_core.train.megatron.parallel import initialize
+
+        self.config = cfg = config
+        torch.manual_seed(cfg.seed)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        compat.install()
+        ensure_world(cfg.device)
+        initialize(parallel, cfg.seed)
+        self.par = parallel
+        self.distributed_optimizer = distributed_optimizer
+        self.model_path = Path(model_path)
+        self.hf_config = json.loads((self.model_path / "config.json").read_text())
+        self.group = ps.get_data_parallel_group()
+        self.frozen: list[str] = []
+        self.module = self._load(self.model_path, cfg.dtype, cfg.recompute_activations)
+        self.ddp = self._wrap(self.module, distributed_optimizer)
+        self.model = self.ddp
+        self.ref_model = None
+        if (cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward) and not cfg.reference_service:
+            self.ref_model = self._load(Path(ref_model_path or model_path), cfg.dtype, False)
+            self.ref_model.requires_grad_(False)
+        self.teacher = None
+        self.critic = None
+        self.last_returns = None
+        self.pad_id = self.hf_config.get("pad_token_id") or 0
+        self.optimizer = self._build_optimizer(distributed_optimizer)
+        self.scheduler = LambdaSchedule(self.optimizer, cfg)
+        self._init_algorithm()
+        self._hf = hf_weights
+
+    # ------------------------------------------------------------ building
+    def _load(self, path: Path, dtype: str, recompute: bool) -> torch.nn.Module:
+        from safetensors import safe_open
+
+        from relax_core.train.megatron import hf_weights
+
+        config = json.loads((path / "config.json").read_text())
+        module = build_model(config, self.par, dtype=dtype, recompute=recompute)
+        handles = _safetensors(path, safe_open)
+        hf_weights.load_hf(module, config, lambda name: handles[name].get_tensor(name))
+        return module.eval()
+
+    def _wrap(self, module: torch.nn.Module, distributed_optimizer: bool):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=distributed_optimizer,
+                                                   check_for_nan_in_grad=False)
+        with compat.on_cpu():
+            return DistributedDataParallel(module.config, ddp_config, module)
+
+    def _build_optimizer(self, distributed_optimizer: bool):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.config
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr * cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.adam_eps,
+            clip_grad=cfg.grad_clip if cfg.grad_clip > 0 else 0.0, bf16=cfg.dtype == "bfloat16",
+            params_dtype=getattr(torch, cfg.dtype), use_distributed_optimizer=distributed_optimizer,
+        )
+        with compat.on_cpu():
+            return get_megatron_optimizer(opt_config, [self.ddp])
+
+    # ---------------------------------------------------------- groups
+    @property
+    def distributed(self) -> bool:
+        return True
+
+    @property
+    def sharded(self) -> bool:
+        """Expert parallel: every data-parallel rank must run the same passes (the experts' token
+        exchange is a collective over them)."""
+        return self.par.ep > 1
+
+    @property
+    def collective_weights(self) -> bool:
+        """The whole weights are gathered from every rank's shards (TP/PP/EP), every rank taking part."""
+        return dist.get_world_size() > 1
+
+    def _mp_gather(self, rows: Sequence | None) -> list | None:
+        """This rank's rows pooled with the other ranks' of its model-parallel group, in rank order."""
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_model_parallel_group()
+        if dist.get_world_size(group) == 1:
+            return None if rows is None else list(rows)
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, None if rows is None else list(rows), group=group)
+        if any(p is None for p in parts):
+            return None
+        return [row for part in parts for row in part]
+
+    def _pooled(self, samples, *columns):
+        counts = self._mp_gather([len(samples)]) or [len(samples)]
+        return (self._mp_gather(samples), *(self._mp_gather(c) if c is not None else None for c in columns)), counts
+
+    # ------------------------------------------------------------ schedule
+    def _schedule(self, model, batches: list[MicroBatch | None], loss_fn, *, forward_only: bool) -> None:
+        """Run `batches` through megatron-core's forward/backward schedule; `loss_fn(i, logits)` (last
+        stage) returns the loss of batch i (None: an idle pass, loss 0)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        idle = self._idle_batch()
+        items = [(i, b if b is not None else idle) for i, b in enumerate(batches)]
+        vocab = self.hf_config["vocab_size"]
+
+        def forward_step(data_iterator, chunk):
+            index, mb = next(data_iterator)
+            mask = attention_mask_(mb.attention_mask, mb.position_ids)
+            output = chunk(mb.input_ids, mb.position_ids, mask)
+
+            def loss_func(logits):
+                loss = loss_fn(index, full_logits(logits, vocab), mb) if batches[index] is not None \
+                    else logits.sum() * 0.0
+                return loss, torch.ones((), dtype=torch.int), {}
+            return output, loss_func
+
+        if not items:
+            return
+        longest = max(b.input_ids.shape[1] for _, b in items)
+        with compat.on_cpu():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(items), model=[model],
+                num_microbatches=len(items), seq_length=longest, micro_batch_size=items[0][1].input_ids.shape[0],
+                forward_only=forward_only)
+
+    def _idle_batch(self) -> MicroBatch:
+        idle = Sample(prompt_ids=[self.pad_id], response_ids=[self.pad_id], rollout_logprobs=[0.0], loss_mask=[0])
+        return self._pack([idle])
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as the last pipeline stage holds it, on every stage."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            group = ps.get_pipeline_model_parallel_group()
+            last = dist.get_global_rank(group, dist.get_world_size(group) - 1)
+            dist.broadcast(tensor, src=last, group=group)
+        return tensor
+
+    def _logprobs_of(self, model, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """`[B, R]` log-probs of each batch (no grad), on every rank."""
+        out: dict[int, torch.Tensor] = {}
+
+        def loss_fn(index, logits, mb):
+            out[index] = response_logprobs(logits, mb)[0].detach()
+            return logits.sum() * 0.0
+
+        with torch.no_grad():
+            self._schedule(model, list(batches), loss_fn, forward_only=True)
+        return [self._from_last_stage(out.get(i, torch.zeros(b.loss_mask.shape))) for i, b in enumerate(batches)]
+
+    # --------------------------------------------------------- log-probs
+    @torch.no_grad()
+    def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
+        (pooled,), counts = self._pooled(samples)
+        pooled = pooled if pooled is not None else list(samples)
+        bounds = self._micro_bounds(pooled)
+        batches = [self._pack(pooled[a:b]) for a, b in zip(bounds, bounds[1:])]
+        passes = self._passes([len(batches)])[0]
+        logps = self._logprobs_of(self.ddp, batches + [None] * (passes - len(batches)))
+        rows = [r for mb, lp in zip(batches, logps) for r in mb.response_lists(lp)]
+        start = sum(counts[: self._mp_rank()])
+        return rows[start: start + len(samples)]
+
+    def _mp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return dist.get_rank(ps.get_model_parallel_group())
+
+    def _idle_pass(self, *, backward: bool) -> None:
+        raise AssertionError("the megatron trainer runs its idle passes inside the schedule")
+
+    # ------------------------------------------------------------ train step
+    def train_step(self, samples, advantages=None, ref_logprobs=None, old_logprobs=None, values=None):
+        """`TorchTrainer.train_step` on the rows of this rank's model-parallel group (pooled first)."""
+        if values is not None or self.config.critic_lr is not None:
+            raise ValueError("the megatron backend trains no critic (PPO): use train.backend=torch")
+        (pooled, adv, ref, old), _ = self._pooled(samples, advantages, ref_logprobs, old_logprobs)
+        if pooled is None:
+            pooled = list(samples)
+        return super().train_step(pooled, adv, ref, old, None)
+
+    @torch.no_grad()
+    def _prepare(self, samples, ref_rows=None, old_rows=None, value_rows=None, passes: int = 0) -> list[_Micro]:
+        cfg = self.config
+        bounds = self._micro_bounds(samples)
+        batches = [self._pack(samples[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+        def given(rows, a, b, mb):
+            from relax_core.train.step_advantages import pad_rows
+
+            return pad_rows([list(r) for r in rows[a:b]], mb.loss_mask.shape[1]).to(cfg.device)
+
+        idle = [None] * (max(passes, len(batches)) - len(batches)) if self.sharded else []
+        old = [None] * len(batches)
+        if self._recomputes_logp_old:
+            old = ([given(old_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
+                   if old_rows is not None else self._logprobs_of(self.ddp, batches + idle)[: len(batches)])
+        ref = [None] * len(batches)
+        if ref_rows is not None:
+            ref = [given(ref_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
+        elif self.ref_model is not None:
+            ref = self._logprobs_of(self.ref_model, batches + idle)[: len(batches)]
+        return [_Micro(mb, lo, lr) for mb, lo, lr in zip(batches, old, ref)]
+
+    def _update(self, mini: _Mini) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step: the schedule's forward/backward over the mini-batch, the gradients finished
+        over the parallel groups, megatron-core's optimizer step (clipping included)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        extremes = torch.full((2,), -math.inf, dtype=torch.float64)
+        micros = list(mini.micros)
+
+        def loss_fn(index, logits, mb):
+            nonlocal extremes
+            logp, entropy = response_logprobs(logits, mb, with_entropy=True)
+            loss, parts, micro_extremes = self._loss_from(logp, entropy, micros[index], mini)
+            sums.add_(parts)
+            extremes = torch.maximum(extremes, micro_extremes)
+            return loss
+
+        idle = [None] * (mini.passes - len(micros)) if self.sharded else []
+        self.ddp.train()
+        try:
+            self._schedule(self.ddp, [m.mb for m in micros] + idle, loss_fn, forward_only=False)
+        finally:
+            self.ddp.eval()
+        with compat.on_cpu():
+            finalize_model_grads([self.ddp])
+        self._from_last_stage(sums)
+        self._from_last_stage(extremes)
+        self._all_reduce(sums)
+        with compat.on_cpu():
+            _, grad_norm, _ = self.optimizer.step()
+        return sums, extremes, float(grad_norm if grad_norm is not None else 0.0)
+
+    # --------------------------------------------------- sync and checkpoint
+    def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, whole tensor in the compute dtype) of every weight, gathered from the TP/EP/PP
+        shards; every rank must iterate it, in step (each gets every tensor)."""
+        return self._hf.gather_hf(self.module, self.hf_config, getattr(torch, self.config.dtype))
+
+    def sharded_state_dict(self, *, loading: bool = False) -> dict:
+        """What a Megatron-LM checkpoint holds for the model and optimizer (sharded tensors); `loading`: the
+        template to load into (a fresh optimizer gets its Adam state first, as Megatron-LM's loading does)."""
+        model = self.module.sharded_state_dict()
+        if loading:
+            self._give_adam_state()
+        with compat.on_cpu():
+            # The distributed optimizer's state in model space (Megatron-LM's `fully_reshardable`): it loads
+            # into any TP/PP/DP layout.
+            optimizer = self.optimizer.sharded_state_dict(
+                model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return {"model": model, "optimizer": optimizer, "opt_param_scheduler": self.scheduler.state_dict()}
+
+    def _give_adam_state(self) -> None:
+        """A distributed optimizer that has not stepped yet holds no Adam state, and its sharded state
+        dict (the template a checkpoint loads into) needs one: zero moments at step 0, replaced by the load."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    if not inner.state[param]:
+                        inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                                  exp_avg_sq=torch.zeros_like(param))
+
+    def load_sharded(self, state: dict) -> None:
+        self.module.load_state_dict(state["model"])
+        with compat.on_cpu():
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["opt_param_scheduler"])
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError("the megatron backend saves Megatron distributed checkpoints: "
+                                  "relax_core.checkpoint.megatron")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError("the megatron backend loads Megatron distributed checkpoints: "
+                                  "relax_core.checkpoint.megatron")
+
+
+def _safetensors(path: Path, safe_open) -> dict:
+    """HF tensor name -> an open safetensors file holding it (one file or an indexed set)."""
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    handles = {}
+    for name in files:
+        handle = safe_open(str(path / name), framework="pt")
+        for key in handle.keys():
+            handles[key] = handle
+    return handles
