@@ -20,6 +20,7 @@ PACKAGES = {
     "transformers": "transformers",
     "transferqueue": "transferqueue",
     "sglang": "sglang",  # rollout.engine: sglang (GPU nodes)
+    "megatron-core": "megatron-core",  # train.backend: megatron
 }
 COMMANDS = ("sbatch", "srun", "squeue", "sacct", "scontrol", "apptainer", "nvidia-smi")
 
@@ -31,7 +32,6 @@ EXECUTORS = {
 }
 # Backends a recipe can name that have no code in this version (launch/preflight.py refuses them).
 NOT_AVAILABLE = {
-    "megatron trainer": "train.backend: megatron",
     "reference service on GPUs": "cluster.reference.gpus_per_node > 0",
 }
 

@@ -7,7 +7,8 @@ common entries Megatron-LM reads back (`iteration`, `checkpoint_version`,
 `args`, `opt_param_scheduler`, `rng_state` per TP/PP rank), in
 `dist_checkpointing`'s files (`*.distcp`, `.metadata`, `common.pt`,
 `metadata.json`), plus Relax's `relax` entry (the run's progress: data
-cursor, step, policy version) and `relax_meta.json` (model naming
+cursor, step, policy version), PPO's critic when there is one (`critic`,
+the torch backend's replicated value model) and `relax_meta.json` (model naming
 "megatron", where the HF config is). The layout around it is the torch
 backend's: staged in `.tmp_iter_XXXXXXX/`, published by a rename, then the
 tracker `latest_checkpointed_iteration.txt`, then pruning (`dcp.py`).
@@ -36,9 +37,10 @@ from relax_core.checkpoint.layout import CheckpointError
 NAMING = "megatron"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current `checkpoint_version`
 PROGRESS_KEY = "relax"
+CRITIC_KEY = "critic"  # PPO's critic (the torch backend's, replicated on every rank)
 # DCP keys of the model section are the names; everything else belongs to these
 _NOT_MODEL = ("optimizer.", "chained_", "rng_state", "opt_param_scheduler", "iteration", "args",
-              "checkpoint_version", PROGRESS_KEY)
+              "checkpoint_version", PROGRESS_KEY, CRITIC_KEY)
 
 
 def megatron_args(trainer) -> argparse.Namespace:
@@ -92,6 +94,8 @@ def _state(trainer, iteration: int, progress: dict[str, Any] | None, rng: bool =
     state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=megatron_args(trainer))
     if progress is not None:
         state[PROGRESS_KEY] = progress
+    if getattr(trainer, "critic", None) is not None and not loading:  # replicated: saved once, in common.pt
+        state[CRITIC_KEY] = trainer.critic.state_dict()
     if rng:
         state["rng_state"] = _sharded_rng()
     return state
@@ -131,14 +135,27 @@ def load(ckpt_dir: str | os.PathLike, trainer, iteration: int | None = None) -> 
     if meta.get("model_naming") != NAMING:
         raise CheckpointError(f"{iter_dir} was written by the {meta.get('model_naming')!r} backend "
                               "(train.backend=torch); the megatron backend resumes its own checkpoints only")
-    template = _state(trainer, iteration, None, loading=True)
+    saved = (meta.get("megatron") or {}).get("distributed_optimizer", False)
+    if saved != trainer.distributed_optimizer:
+        raise CheckpointError(f"{iter_dir} was saved with train.distributed_optimizer={str(saved).lower()}: the "
+                              "optimizer state is stored differently; resume with the same setting")
+    # The RNG states are one per TP x PP rank: with another TP or PP size there is none for this rank, and
+    # (as Megatron-LM does) they are left as seeded.
+    grid = meta.get("megatron") or {}
+    same_grid = (grid.get("tp"), grid.get("pp")) == (trainer.par.tp, trainer.par.pp)
+    template = _state(trainer, iteration, None, rng=same_grid, loading=True)
     template.pop("args")
     with compat.on_cpu():
         loaded = dist_checkpointing.load(template, str(iter_dir))
     trainer.load_sharded(loaded)
     trainer.step = int(loaded["iteration"])
-    _restore_rng(loaded["rng_state"][0] if isinstance(loaded["rng_state"], list) else loaded["rng_state"])
+    if same_grid:
+        _restore_rng(loaded["rng_state"][0] if isinstance(loaded["rng_state"], list) else loaded["rng_state"])
     common = dist_checkpointing.load_common_state_dict(str(iter_dir))
+    if getattr(trainer, "critic", None) is not None:
+        if CRITIC_KEY not in common:
+            raise CheckpointError(f"{iter_dir} holds no critic: it was saved by a run without one")
+        trainer.critic.load_state_dict(common[CRITIC_KEY])
     return common.get(PROGRESS_KEY, {})
 
 

@@ -215,17 +215,22 @@ def unavailable_features(recipe: Recipe) -> list[str]:
 
 
 def _megatron_problems(recipe: Recipe) -> list[str]:
-    """What the megatron backend does not build: context parallelism (Transformer Engine's attention), PPO's
-    critic, a distillation teacher, vision/audio models, and models other than Qwen3 / Qwen3-MoE (known from
-    a tiny model's architecture or a local model directory's config.json; a hub id is checked when the
-    trainer loads it)."""
+    """What the megatron backend does not build: context parallelism (Transformer Engine's attention),
+    sequence parallelism (Transformer Engine's or Apex's norms), PPO's critic service (fully_async), a
+    distillation teacher, vision/audio models, and models other than Qwen3 / Qwen3-MoE (known from a tiny
+    model's architecture or a local model directory's config.json; a hub id is checked when the trainer
+    loads it)."""
     train, algo, problems = recipe.train, recipe.algorithm, []
     if train.context_parallel > 1:
         problems.append(f"train.context_parallel: {train.context_parallel} (megatron-core's context parallelism "
                         f"needs Transformer Engine's attention) {_NOT_YET}; set it to 1")
-    if getattr(algo, "critic", None) is not None:
-        problems.append(f"algorithm.critic: a critic with train.backend=megatron {_NOT_YET}; use "
-                        "train.backend=torch for PPO, or an algorithm without a critic")
+    if train.sequence_parallel:
+        problems.append(f"train.sequence_parallel: Megatron sequence parallelism (it needs Transformer Engine's or "
+                        f"Apex's norms; the backend builds megatron-core's own layers) {_NOT_YET}; set it to false")
+    if getattr(algo, "critic", None) is not None and recipe.mode == "fully_async":
+        problems.append(f"algorithm.critic: the critic service (mode=fully_async) with train.backend=megatron "
+                        f"{_NOT_YET}; use mode=colocate or hybrid (the critic trains in the trainer's processes), "
+                        "or train.backend=torch")
     if getattr(algo, "teacher", None) is not None:
         problems.append(f"algorithm.teacher: a distillation teacher with train.backend=megatron {_NOT_YET}; "
                         "use train.backend=torch")
@@ -238,8 +243,8 @@ def _megatron_problems(recipe: Recipe) -> list[str]:
         field = "model.architecture" if isinstance(recipe.model, TinyModel) else "model.path"
         problems += [p.replace("model:", f"{field}:", 1) for p in unsupported(config, par)]
     elif isinstance(recipe.model, TinyModel):
-        problems.append(f"model.architecture: the megatron backend builds Qwen3 and Qwen3-MoE, not "
-                        f"{recipe.model.architecture}; use train.backend=torch")
+        problems.append(f"model.architecture: {recipe.model.architecture} with train.backend=megatron (it builds "
+                        f"Qwen3 and Qwen3-MoE) {_NOT_YET}; use train.backend=torch")
     return problems
 
 

@@ -5,6 +5,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 if [ -d .gpu_wheels ]; then
     python3 -m pip install --quiet --no-index --find-links .gpu_wheels --target /tmp/relax_gpu_site pydantic
+    # megatron-core without its dependencies (torch, numpy, packaging: the machine's own).
+    if ls .gpu_wheels/megatron_core-*.whl > /dev/null 2>&1; then
+        python3 -m pip install --quiet --no-index --no-deps --find-links .gpu_wheels --target /tmp/relax_gpu_site \
+            megatron-core
+    fi
     export PYTHONPATH=/tmp/relax_gpu_site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1

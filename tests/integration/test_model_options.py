@@ -53,12 +53,10 @@ def test_a_run_uses_the_named_tokenizer_and_trusts_the_models_code(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template == OTHER_TEMPLATE
 
 
-def test_the_math_recipe_is_refused_by_a_slurm_that_answers(slurm_cluster, tmp_path):
+def test_the_math_recipe_plans_on_a_slurm_that_answers_and_submits_nothing(slurm_cluster, tmp_path):
     before = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()
     proc = relax("submit", str(REPO / "recipes" / "math_dapo_qwen3_4b.yaml"), "--executor", "slurm", "--dry-run",
                  f"cluster.slurm.partition={slurm_cluster.gpu_partition}", cwd=tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "train.backend: megatron" in proc.stderr and "not available in this version of Relax" in proc.stderr
-    assert "not on PATH" not in proc.stderr  # Slurm is there: only what this version lacks is named
-    assert list(tmp_path.iterdir()) == []
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "trainer rank 7 (megatron)" in proc.stdout and "not available" not in proc.stdout + proc.stderr
     assert slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split() == before

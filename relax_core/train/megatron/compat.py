@@ -5,7 +5,8 @@ the arithmetic: buffers allocated on `torch.cuda.current_device()`, counters
 created with `device="cuda"` (the pipeline schedules, the optimizer's grad
 norm), the optimizers' checks that a gradient's `type()` is
 `torch.cuda.FloatTensor`, the MoE all-to-all dispatcher's side stream,
-`torch.cuda.synchronize()` around checkpoint saves, and Transformer
+`torch.cuda.synchronize()` around checkpoint saves, the CUDA RNG that
+activation recomputation saves and restores, and Transformer
 Engine's GEMM picked for the router when TE imports. On CPU `install()` points
 those at the CPU, and `on_cpu()` (a torch function mode, entered around every
 Megatron call) turns the hard-coded `device="cuda"` and `.cuda()` into CPU
@@ -58,6 +59,12 @@ def install() -> None:
 
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NO_STREAM
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _host_counts
+    # Activation recomputation saves and restores the device's RNG around each recomputed layer, so its
+    # dropout masks repeat: on CPU the device is the CPU, whose generator torch keeps.
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
 _NO_STREAM = object()

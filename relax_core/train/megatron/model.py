@@ -18,6 +18,7 @@ from typing import Any
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+NOT_YET = "is not available in this version of Relax"
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ def unsupported(config: dict[str, Any], par: Parallel) -> list[str]:
     problems = []
     kind = family(config)
     if kind is None:
-        return [f"model: the megatron backend builds Qwen3 and Qwen3-MoE; this model is "
-                f"{config.get('architectures') or config.get('model_type')} (use train.backend=torch)"]
+        return [f"model: {config.get('architectures') or config.get('model_type')} with train.backend=megatron "
+                f"(it builds Qwen3 and Qwen3-MoE) {NOT_YET}; use train.backend=torch"]
     heads, groups, layers = config["num_attention_heads"], config.get("num_key_value_heads") or \
         config["num_attention_heads"], config["num_hidden_layers"]
     if heads % par.tp or groups % par.tp:
@@ -72,16 +73,16 @@ def unsupported(config: dict[str, Any], par: Parallel) -> list[str]:
         problems.append(f"train.pipeline_parallel: {par.pp} must divide the model's {layers} layers")
     rope = config.get("rope_parameters") or {}
     if config.get("rope_scaling") or rope.get("rope_type", "default") != "default":
-        problems.append("model: rope_scaling in config.json is not built in the megatron backend")
+        problems.append(f"model: rope scaling (config.json) with train.backend=megatron {NOT_YET}")
     if config.get("use_sliding_window"):
-        problems.append("model: sliding-window attention is not built in the megatron backend")
+        problems.append(f"model: sliding-window attention with train.backend=megatron {NOT_YET}")
     if kind == "qwen3_moe":
         experts = num_experts(config)
         if experts % par.ep:
             problems.append(f"train.expert_parallel: {par.ep} must divide the model's {experts} experts")
         if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
-            problems.append("model: Qwen3-MoE with dense layers among the MoE ones (mlp_only_layers, "
-                            "decoder_sparse_step) is not built in the megatron backend")
+            problems.append(f"model: Qwen3-MoE with dense layers among the MoE ones (mlp_only_layers, "
+                            f"decoder_sparse_step) {NOT_YET}")
     elif par.ep > 1:
         problems.append("train.expert_parallel: > 1 needs a mixture-of-experts model (Qwen3-MoE)")
     if par.sequence_parallel and par.tp == 1:

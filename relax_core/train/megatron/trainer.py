@@ -47,7 +47,7 @@ from relax_core.train.batching import MicroBatch, response_logprobs
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.megatron import compat
 from relax_core.train.megatron.forward import attention_mask_, full_logits
-from relax_core.train.megatron.model import Parallel, build_model
+from relax_core.train.megatron.model import Parallel, build_model, unsupported
 from relax_core.train.optim import lr_lambda
 from relax_core.train.torch_backend import _SUMS, TorchTrainer, _Micro, _Mini
 
@@ -125,6 +125,9 @@ class MegatronTrainer(TorchTrainer):
         self.distributed_optimizer = distributed_optimizer
         self.model_path = Path(model_path)
         self.hf_config = json.loads((self.model_path / "config.json").read_text())
+        problems = unsupported(self.hf_config, parallel)  # a hub model is known only now
+        if problems:
+            raise ValueError(f"{self.model_path}: " + "; ".join(problems))
         self.group = ps.get_data_parallel_group()
         self.frozen: list[str] = []
         self.module = self._load(self.model_path, cfg.dtype, cfg.recompute_activations)
@@ -135,7 +138,13 @@ class MegatronTrainer(TorchTrainer):
             self.ref_model = self._load(Path(ref_model_path or model_path), cfg.dtype, False)
             self.ref_model.requires_grad_(False)
         self.teacher = None
+        # PPO's critic: the torch backend's (an HF model with a value head, replicated on every rank, its
+        # gradients summed over the data-parallel group), trained on the same pooled mini-batches.
         self.critic = None
+        if cfg.critic_lr is not None and not cfg.critic_service:
+            from relax_core.train.critic import Critic
+
+            self.critic = Critic.from_config(model_path, cfg)
         self.last_returns = None
         self.pad_id = self.hf_config.get("pad_token_id") or 0
         self.optimizer = self._build_optimizer(distributed_optimizer)
@@ -266,6 +275,26 @@ class MegatronTrainer(TorchTrainer):
             self._schedule(model, list(batches), loss_fn, forward_only=True)
         return [self._from_last_stage(out.get(i, torch.zeros(b.loss_mask.shape))) for i, b in enumerate(batches)]
 
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """`[B, L, vocab]` logits of the current policy on one right-padded batch, on every rank (the last
+        pipeline stage's, sent to the others): what `convert-ckpt --verify` and the parity tests compare."""
+        from relax_core.train.batching import MicroBatch
+
+        batch, length = input_ids.shape
+        empty = torch.zeros(batch, 0)
+        mb = MicroBatch(input_ids, attention_mask, torch.arange(length).expand(batch, -1).contiguous(),
+                        empty.long(), empty.long(), empty.bool(), empty, empty)
+        out: dict[int, torch.Tensor] = {}
+
+        def keep(index, logits, _mb):
+            out[index] = logits.detach().float()
+            return logits.sum() * 0.0
+
+        self._schedule(self.ddp, [mb], keep, forward_only=True)
+        result = out.get(0, torch.zeros(batch, length, self.hf_config["vocab_size"]))
+        return self._from_last_stage(result.contiguous())
+
     # --------------------------------------------------------- log-probs
     @torch.no_grad()
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
@@ -289,13 +318,17 @@ class MegatronTrainer(TorchTrainer):
 
     # ------------------------------------------------------------ train step
     def train_step(self, samples, advantages=None, ref_logprobs=None, old_logprobs=None, values=None):
-        """`TorchTrainer.train_step` on the rows of this rank's model-parallel group (pooled first)."""
-        if values is not None or self.config.critic_lr is not None:
-            raise ValueError("the megatron backend trains no critic (PPO): use train.backend=torch")
-        (pooled, adv, ref, old), _ = self._pooled(samples, advantages, ref_logprobs, old_logprobs)
+        """`TorchTrainer.train_step` on the rows of this rank's model-parallel group (pooled first);
+        `last_returns` holds this rank's own rows' returns afterwards."""
+        (pooled, adv, ref, old, vals), counts = self._pooled(samples, advantages, ref_logprobs, old_logprobs,
+                                                            values)
         if pooled is None:
             pooled = list(samples)
-        return super().train_step(pooled, adv, ref, old, None)
+        metrics = super().train_step(pooled, adv, ref, old, vals)
+        if self.last_returns is not None:
+            start = sum(counts[: self._mp_rank()])
+            self.last_returns = self.last_returns[start: start + len(samples)]
+        return metrics
 
     @torch.no_grad()
     def _prepare(self, samples, ref_rows=None, old_rows=None, value_rows=None, passes: int = 0) -> list[_Micro]:
@@ -318,7 +351,12 @@ class MegatronTrainer(TorchTrainer):
             ref = [given(ref_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
         elif self.ref_model is not None:
             ref = self._logprobs_of(self.ref_model, batches + idle)[: len(batches)]
-        return [_Micro(mb, lo, lr) for mb, lo, lr in zip(batches, old, ref)]
+        values = [None] * len(batches)
+        if value_rows is not None:
+            values = [given(value_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
+        elif self.critic is not None:
+            values = [self.critic.values(mb) for mb in batches]
+        return [_Micro(mb, lo, lr, values=v) for mb, lo, lr, v in zip(batches, old, ref, values)]
 
     def _update(self, mini: _Mini) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step: the schedule's forward/backward over the mini-batch, the gradients finished

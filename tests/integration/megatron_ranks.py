@@ -1,0 +1,198 @@
+"""The trainer ranks of the Megatron backend's tests: `python megatron_ranks.py ROLE ARGS_JSON`.
+
+The script starts `world` processes (torch.multiprocessing, a gloo group whose
+store listens on 127.0.0.1), each runs ROLE as one rank, and rank 0 writes what
+the test asserts on to `out` (JSON, or a torch file for tensors). pytest only
+drives it (tests/integration/test_megatron.py); it is not collected.
+
+Roles:
+- logits: load the HF model into Megatron with the given layout; logits on a fixed padded batch against
+  the HF model's, and the gathered HF tensors against the safetensors file;
+- step: one training step on `SAMPLES` (rank r gets its world-rank shard, as the controller hands them);
+  metrics, the gathered HF tensors, how often layer 0 ran forward;
+- save / resume: train, save a Megatron checkpoint / load it (maybe with another layout) and train on;
+- sync: one step, then the weights broadcast to a CPU engine; the engine's log-probs against the trainer's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+def samples(n: int = 8, vocab: int = 19, seed: int = 0):
+    """Rows with prompts and responses of different lengths, two GRPO groups of 4 with mixed rewards."""
+    from relax_core.rollout.types import Sample
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 5))]
+        response = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 6))]
+        out.append(Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=[-1.0] * len(response),
+                          loss_mask=[1] * len(response), reward=float(i % 3 == 0), group_id=i // 4))
+    return out
+
+
+def trainer_config(args: dict):
+    from relax_core.train.config import TorchTrainerConfig
+
+    extra = {"critic_lr": 1e-3, "critic_value_clip": 0.2} if args.get("critic") else {}
+    return TorchTrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=3, num_threads=1,
+                              algorithm=args.get("algorithm", "grpo"), num_mini_batches=args.get("minis", 1),
+                              recompute_activations=bool(args.get("recompute")), **extra)
+
+
+def build(args: dict, layout: dict | None = None):
+    from relax_core.train.megatron.model import Parallel
+    from relax_core.train.megatron.trainer import MegatronTrainer
+
+    layout = dict(layout if layout is not None else args.get("parallel", {}))
+    distopt = layout.pop("distopt", False)
+    return MegatronTrainer(args["model"], trainer_config(args), Parallel(**layout), distributed_optimizer=distopt)
+
+
+def my_shard(rows, rank: int, world: int):
+    return rows[rank * len(rows) // world: (rank + 1) * len(rows) // world]
+
+
+def role_logits(rank: int, world: int, args: dict) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    trainer = build(args)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [5, 6, 7, 3, 10, 0, 0]])
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    logits = trainer.logits(ids, mask)
+    weights = dict(trainer.named_parameters_for_sync())
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(args["model"], dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = hf(input_ids=ids, attention_mask=mask).logits
+        saved = load_file(Path(args["model"]) / "model.safetensors")
+        result = {"max_diff": (logits - ref)[mask.bool()].abs().max().item(),
+                  "names_equal": sorted(saved) == sorted(weights),
+                  "weights_exact": all(torch.equal(saved[k], weights[k]) for k in saved if k in weights)}
+        Path(args["out"]).write_text(json.dumps(result))
+
+
+def role_step(rank: int, world: int, args: dict) -> None:
+    import torch
+
+    trainer = build(args)
+    calls = [0]
+    layer = trainer.module.decoder.layers[0] if hasattr(trainer.module, "decoder") else None
+    if layer is not None:
+        layer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    metrics = [trainer.train_step(my_shard(samples(), rank, world)) for _ in range(args.get("steps", 1))]
+    weights = dict(trainer.named_parameters_for_sync())
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights, "layer_calls": calls[0]}, args["out"])
+
+
+def role_save(rank: int, world: int, args: dict) -> None:
+    import torch
+
+    from relax_core.checkpoint import megatron as megatron_ckpt
+
+    trainer = build(args)
+    for _ in range(2):
+        trainer.train_step(my_shard(samples(), rank, world))
+    megatron_ckpt.save(args["ckpt"], 2, trainer, {"step": 2, "data": {"cursor": 16}}, hf_dir=args["model"])
+    then = trainer.train_step(my_shard(samples(seed=1), rank, world))
+    weights = dict(trainer.named_parameters_for_sync())
+    if rank == 0:
+        torch.save({"then": then, "weights": weights}, args["out"])
+
+
+def role_resume(rank: int, world: int, args: dict) -> None:
+    import torch
+
+    from relax_core.checkpoint import megatron as megatron_ckpt
+
+    trainer = build(args)
+    progress = megatron_ckpt.load(args["ckpt"], trainer)
+    then = trainer.train_step(my_shard(samples(seed=1), rank, world))
+    weights = dict(trainer.named_parameters_for_sync())
+    if rank == 0:
+        torch.save({"then": then, "weights": weights, "progress": progress, "step": trainer.step}, args["out"])
+
+
+def role_sync(rank: int, world: int, args: dict) -> None:
+    import asyncio
+
+    from relax_core.rollout.client import EngineClient, parse_generate_output
+    from relax_core.weights.sync import WeightBroadcaster
+
+    trainer = build(args)
+    trainer.train_step(my_shard(samples(), rank, world))
+    named = list(trainer.named_parameters_for_sync())  # every rank gathers, in step
+    prompt = [5, 6, 7, 8]
+
+    async def sync_and_generate():
+        async with EngineClient(args["engine"], api_key=args["key"]) as client:
+            broadcaster = WeightBroadcaster([client], HOST, args["weights_port"], group_name="relax_weights",
+                                            backend="gloo", bucket_bytes=16 << 10)
+            await broadcaster.init()
+            stats = await broadcaster.broadcast(named, version=1)
+            await broadcaster.close()
+            raw = await client.generate(prompt, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                                 "ignore_eos": True})
+            return stats, parse_generate_output(raw), await client.get_weight_version()
+
+    result = asyncio.run(sync_and_generate()) if rank == 0 else None
+    import torch.distributed as dist
+
+    holder = [None if result is None else result[1].output_ids]
+    dist.broadcast_object_list(holder, src=0)
+    from relax_core.rollout.types import Sample
+
+    output = holder[0]
+    row = Sample(prompt_ids=prompt, response_ids=output, rollout_logprobs=[0.0] * len(output),
+                 loss_mask=[1] * len(output))
+    mine = trainer.compute_logprobs([row] if rank == 0 else [])  # TP ranks pool their rows
+    if rank == 0:
+        stats, out, version = result
+        diff = max(abs(a - b) for a, b in zip(out.logprobs, mine[0]))
+        Path(args["out"]).write_text(json.dumps({"max_diff": diff, "buckets": stats.num_buckets,
+                                                 "version": version, "tokens": len(output)}))
+
+
+ROLES = {"logits": role_logits, "step": role_step, "save": role_save, "resume": role_resume, "sync": role_sync}
+
+
+def _rank(rank: int, world: int, port: int, role: str, args: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(HOST, port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        ROLES[role](rank, world, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    role, args = sys.argv[1], json.loads(sys.argv[2])
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    mp.spawn(_rank, args=(args["world"], port, role, args), nprocs=args["world"])
+
+
+if __name__ == "__main__":
+    main()
