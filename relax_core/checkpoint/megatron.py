@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from relax_core.checkpoint import dcp, layout
 from relax_core.checkpoint.layout import CheckpointError
+from relax_core.train.megatron.model import VOCAB_DIVISOR, rope_theta
 
 NAMING = "megatron"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current `checkpoint_version`
@@ -61,7 +62,18 @@ def megatron_args(trainer) -> argparse.Namespace:
         params_dtype=getattr(torch, trainer.config.dtype), bf16=trainer.config.dtype == "bfloat16", fp16=False,
         use_distributed_optimizer=trainer.distributed_optimizer, data_parallel_size=trainer.world_size,
         world_size=dist.get_world_size(), seed=trainer.config.seed, lr=trainer.config.lr,
-        iteration=trainer.step, consumed_train_samples=0,
+        iteration=trainer.step, consumed_train_samples=trainer.step * trainer.config.samples_per_step,
+        skipped_train_samples=0, consumed_valid_samples=0, global_batch_size=trainer.config.samples_per_step,
+        make_vocab_size_divisible_by=VOCAB_DIVISOR, tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=str(trainer.model_path), data_parallel_random_init=False, no_save_optim=False,
+        no_save_rng=False, ckpt_fully_parallel_save=False, add_position_embedding=False,
+        use_rotary_position_embeddings=True, rotary_base=rope_theta(c), rotary_percent=1.0,
+        rotary_interleaved=False, add_bias_linear=False, add_qkv_bias=bool(c.get("attention_bias")),
+        apply_layernorm_1p=False, attention_dropout=0.0, hidden_dropout=0.0, seq_length=c.get(
+            "max_position_embeddings"), virtual_pipeline_model_parallel_size=None,
+        moe_ffn_hidden_size=c.get("moe_intermediate_size"), moe_grouped_gemm=False, moe_layer_freq=1,
+        moe_token_dispatcher_type="alltoall", moe_router_score_function="softmax",
+        moe_router_pre_softmax=not c.get("norm_topk_prob", True), moe_shared_expert_intermediate_size=None,
     )
 
 
@@ -77,14 +89,19 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _sharded_rng(state: dict[str, Any] | None = None):
-    """Megatron-LM's `rng_state` entry: a list of one rank's states, one object per TP/PP rank (the
-    data-parallel replicas hold copies)."""
+    """Megatron-LM's `rng_state` entry (`get_rng_state`): a list of one rank's states, one object per TP x PP
+    rank (the data-parallel replicas hold copies), or with expert parallelism per TP x PP x DP rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     pp_n, tp_n = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
-    return ShardedObject("rng_state", [state if state is not None else _rng_state()], (pp_n, tp_n), (pp, tp),
+    states = [state if state is not None else _rng_state()]
+    if ps.get_expert_model_parallel_world_size() > 1:
+        dp, dp_n = (ps.get_data_parallel_rank(with_context_parallel=True),
+                    ps.get_data_parallel_world_size(with_context_parallel=True))
+        return ShardedObject("rng_state", states, (pp_n, tp_n, dp_n), (pp, tp, dp), replica_id=0)
+    return ShardedObject("rng_state", states, (pp_n, tp_n), (pp, tp),
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
 
@@ -115,9 +132,10 @@ def save(ckpt_dir: str | os.PathLike, iteration: int, trainer, progress: dict[st
     staging = layout.tmp_dir_for(root, layout.iteration_dirname(iteration))
     dcp._on_rank0(lambda: dcp._prepare(root, staging), None)
     with compat.on_cpu():
-        dist_checkpointing.save(_state(trainer, iteration, progress), str(staging))
+        dist_checkpointing.save(_state(trainer, iteration, progress), str(staging),
+                                content_metadata=trainer.CONTENT_METADATA)
     meta = dcp._meta(iteration, hf_dir, NAMING, None)
-    meta["megatron"] = {"tp": trainer.par.tp, "pp": trainer.par.pp, "ep": trainer.par.ep,
+    meta["megatron"] = {"tp": trainer.par.tp, "pp": trainer.par.pp, "ep": trainer.par.ep, "dp": trainer.world_size,
                         "distributed_optimizer": trainer.distributed_optimizer}
     dcp._on_rank0(lambda: dcp._finish(root, staging, iteration, meta, None, hf_dir, keep_last), None)
     return layout.get_checkpoint_name(root, iteration)
@@ -143,6 +161,8 @@ def load(ckpt_dir: str | os.PathLike, trainer, iteration: int | None = None) -> 
     # (as Megatron-LM does) they are left as seeded.
     grid = meta.get("megatron") or {}
     same_grid = (grid.get("tp"), grid.get("pp")) == (trainer.par.tp, trainer.par.pp)
+    if trainer.par.ep > 1 or grid.get("ep", 1) > 1:  # the states are per data-parallel rank too
+        same_grid = same_grid and grid.get("ep") == trainer.par.ep and grid.get("dp") == trainer.world_size
     template = _state(trainer, iteration, None, rng=same_grid, loading=True)
     template.pop("args")
     with compat.on_cpu():

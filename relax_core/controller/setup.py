@@ -117,7 +117,7 @@ def trainer_config(recipe: Recipe):
         reference_service=reference_service(recipe), actor_forward_service=actor_forward_service(recipe),
         critic_service=critic_service(recipe),
         kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed,
-        dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe),
+        dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe), samples_per_step=recipe.samples_per_step,
         **_teacher(algo), **_critic(algo), **_torch_backend(recipe), **_megatron_backend(recipe),
     )
 

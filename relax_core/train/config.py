@@ -80,6 +80,8 @@ class TorchTrainerConfig:
             micro-batches of `micro_batch_size` samples.
         trust_remote_code: let the policy, reference, teacher and critic models
             run the code their HF directories ship (`model.trust_remote_code`).
+        samples_per_step: the recipe's samples per training step (the Megatron backend saves its schedule
+            in samples, as Megatron-LM counts it); 0: unknown, counted in steps.
         num_threads: if set, `torch.set_num_threads` for this process. On a
             shared CPU use 1: tiny models gain nothing from intra-op threads,
             and spinning threads slow down badly (10x seen) when another
@@ -128,3 +130,4 @@ class TorchTrainerConfig:
     max_tokens_per_micro_batch: int | None = None
     trust_remote_code: bool = False
     num_threads: int | None = None
+    samples_per_step: int = 0

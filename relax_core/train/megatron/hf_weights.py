@@ -18,7 +18,7 @@ Three views of one set of weights, and the rules between them:
 conversion registers it); `load_hf` slices HF tensors into a rank's
 parameters; `gather_hf` rebuilds the HF tensors from every rank's
 parameters, one at a time, every rank taking part (weight sync, export).
-Where megatron-bridge is installed (the GPU image) `tests/gpu/check.py` checks
+Where megatron-bridge is installed `tests/gpu/check.py` checks
 that it gives the same tensors.
 """
 

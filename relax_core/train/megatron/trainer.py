@@ -77,14 +77,15 @@ class LambdaSchedule:
         self._apply()
 
     def state_dict(self) -> dict:
-        cfg = self.cfg
-        return {"max_lr": cfg.lr, "min_lr": cfg.lr * cfg.min_lr_ratio, "lr_warmup_steps": cfg.warmup_steps,
-                "lr_decay_steps": cfg.total_steps, "lr_decay_style": self.STYLES[cfg.lr_schedule],
-                "num_steps": self.num_steps, "start_wd": cfg.weight_decay, "end_wd": cfg.weight_decay,
-                "wd_incr_steps": cfg.total_steps, "wd_incr_style": "constant"}
+        """Megatron-LM counts the schedule in samples (a step's samples per step, here)."""
+        cfg, per = self.cfg, max(self.cfg.samples_per_step, 1)
+        return {"max_lr": cfg.lr, "min_lr": cfg.lr * cfg.min_lr_ratio, "lr_warmup_steps": cfg.warmup_steps * per,
+                "lr_decay_steps": cfg.total_steps * per, "lr_decay_style": self.STYLES[cfg.lr_schedule],
+                "num_steps": self.num_steps * per, "start_wd": cfg.weight_decay, "end_wd": cfg.weight_decay,
+                "wd_incr_steps": cfg.total_steps * per, "wd_incr_style": "constant"}
 
     def load_state_dict(self, state: dict) -> None:
-        self.num_steps = int(state["num_steps"])
+        self.num_steps = int(state["num_steps"]) // max(self.cfg.samples_per_step, 1)
         self._apply()
 
 
@@ -398,17 +399,24 @@ class MegatronTrainer(TorchTrainer):
         shards; every rank must iterate it, in step (each gets every tensor)."""
         return self._hf.gather_hf(self.module, self.hf_config, getattr(torch, self.config.dtype))
 
+    # What Megatron-LM's `_build_sharded_state_dict_metadata` passes with --dist-ckpt-optim-fully-reshardable:
+    # the distributed optimizer's state in model space, so it loads into any TP/PP/DP layout. Saved as the
+    # checkpoint's `content_metadata`, from which Megatron-LM's loading asks for the same keys.
+    CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                        "distrib_optim_fully_reshardable_mem_efficient": False, "singleton_local_shards": False,
+                        "chained_optim_avoid_prefix": True}
+
     def sharded_state_dict(self, *, loading: bool = False) -> dict:
         """What a Megatron-LM checkpoint holds for the model and optimizer (sharded tensors); `loading`: the
         template to load into (a fresh optimizer gets its Adam state first, as Megatron-LM's loading does)."""
-        model = self.module.sharded_state_dict()
+        from megatron.core import parallel_state as ps
+
+        metadata = dict(self.CONTENT_METADATA, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
+        model = self.module.sharded_state_dict(metadata=metadata)
         if loading:
             self._give_adam_state()
         with compat.on_cpu():
-            # The distributed optimizer's state in model space (Megatron-LM's `fully_reshardable`): it loads
-            # into any TP/PP/DP layout.
-            optimizer = self.optimizer.sharded_state_dict(
-                model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
         return {"model": model, "optimizer": optimizer, "opt_param_scheduler": self.scheduler.state_dict()}
 
     def _give_adam_state(self) -> None:
