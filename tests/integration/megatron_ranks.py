@@ -177,10 +177,14 @@ def _rank(rank: int, world: int, port: int, role: str, args: dict) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore(HOST, port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        ROLES[role](rank, world, args)
-    finally:
-        dist.destroy_process_group()
+    ROLES[role](rank, world, args)
+    dist.barrier()  # no rank leaves while another still talks to it
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Megatron's dozens of gloo groups hold threads whose teardown at interpreter exit can abort the process
+    # ("terminate called without an active exception") after the work is done: leave without it.
+    os._exit(0)
 
 
 def main() -> None:
