@@ -102,7 +102,7 @@ def test_one_step_gives_the_torch_backends_loss_and_weights(request, tmp_path, k
     # summation order) into a few % of that on a few elements, and leaves the rest within 1e-6.
     for name, tensor in ref["weights"].items():
         diff = (weights[name] - tensor).abs()
-        assert diff.max() <= 3e-5 and (diff > 1e-6).float().mean() <= 0.01, name
+        assert diff.max() <= 5e-5 and (diff > 1e-6).float().mean() <= 0.01, name
     if kind == "dense":  # and the step did move them
         from safetensors.torch import load_file
 
