@@ -1,9 +1,9 @@
 """The trainer ranks of the Megatron backend's tests: `python megatron_ranks.py ROLE ARGS_JSON`.
 
-The script starts `world` processes (torch.multiprocessing, a gloo group whose
-store listens on 127.0.0.1), each runs ROLE as one rank, and rank 0 writes what
-the test asserts on to `out` (JSON, or a torch file for tensors). pytest only
-drives it (tests/integration/test_megatron.py); it is not collected.
+The test starts `world` such processes (`run_ranks`: one per rank, each killed by its
+PID when another fails or the time is up; a gloo group whose
+store rank 0 hosts on 127.0.0.1), each runs ROLE as one rank, and rank 0 writes what
+the test asserts on to `out` (JSON, or a torch file for tensors). It is not collected.
 
 Roles:
 - logits: load the HF model into Megatron with the given layout; logits on a fixed padded batch against
@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
+import signal
+import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -167,6 +169,32 @@ def role_sync(rank: int, world: int, args: dict) -> None:
                                                  "version": version, "tokens": len(output)}))
 
 
+def run_ranks(role: str, args: dict, port: int, env: dict, timeout_s: float = 600) -> tuple[int, str]:
+    """Start the ranks, wait for all; (the first non-zero exit code or 0, the ranks' output, a file: no pipe
+    a hung rank could hold open). A failed rank or the timeout ends every rank, by PID."""
+    log = Path(args["out"]).with_suffix(".log")
+    with open(log, "w") as out:
+        procs = [subprocess.Popen([sys.executable, __file__, role, json.dumps(args), str(r), str(port)], stdout=out,
+                                  stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                 for r in range(args["world"])]
+        deadline, code = time.monotonic() + timeout_s, 0
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    code = failed[0] if failed else -1
+                    break
+                time.sleep(0.2)
+            else:
+                code = next((p.returncode for p in procs if p.returncode), 0)
+        finally:
+            for p in procs:  # a rank starts no process of its own: its PID is all there is to stop
+                if p.poll() is None:
+                    p.send_signal(signal.SIGKILL)
+                p.wait()
+    return code, log.read_text()
+
+
 ROLES = {"logits": role_logits, "step": role_step, "save": role_save, "resume": role_resume, "sync": role_sync}
 
 
@@ -179,23 +207,18 @@ def _rank(rank: int, world: int, port: int, role: str, args: dict) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     ROLES[role](rank, world, args)
     dist.barrier()  # no rank leaves while another still talks to it
-    dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Megatron's dozens of gloo groups hold threads whose teardown at interpreter exit can abort the process
-    # ("terminate called without an active exception") after the work is done: leave without it.
+    # Megatron's dozens of gloo groups hold threads whose teardown (destroy_process_group, or the
+    # interpreter's at exit) can block or abort once a peer is gone: the work is done, leave without it.
     os._exit(0)
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
-    role, args = sys.argv[1], json.loads(sys.argv[2])
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port = sock.getsockname()[1]
+    """`megatron_ranks.py ROLE ARGS_JSON RANK PORT`: one rank (the test starts `world` of them)."""
+    role, args, rank, port = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    mp.spawn(_rank, args=(args["world"], port, role, args), nprocs=args["world"])
+    _rank(rank, args["world"], port, role, args)
 
 
 if __name__ == "__main__":

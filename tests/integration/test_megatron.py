@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_fixtures import EngineServer, free_port, subprocess_env
+from megatron_ranks import run_ranks
 from model_dirs import tiny_qwen3_moe
 
 from relax_core.models import tiny
@@ -34,10 +35,8 @@ ALPHABET = "abcdefghijklmnop"  # 16 characters + 3 special tokens: the samples' 
 
 def ranks(role: str, tmp: Path, world: int, **args) -> Path:
     out = tmp / f"{role}-{len(list(tmp.iterdir()))}.out"
-    proc = subprocess.run([sys.executable, str(HERE / "megatron_ranks.py"), role,
-                           json.dumps({"world": world, "out": str(out), **args})],
-                          capture_output=True, text=True, env=subprocess_env(), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    code, log = run_ranks(role, {"world": world, "out": str(out), **args}, free_port(), subprocess_env())
+    assert code == 0, log[-8000:]
     return out
 
 
@@ -142,10 +141,9 @@ def test_a_checkpoint_resumes_with_another_layout_and_goes_on_as_before(dense, t
             diff = (resumed["weights"][name] - tensor).abs().max()
             assert diff == 0 if same else diff <= 3e-5, (new_layout, name)
     if layout.get("distopt"):  # the optimizer state is stored another way: switching it is refused
-        proc = subprocess.run([sys.executable, str(HERE / "megatron_ranks.py"), "resume", json.dumps(
-            {"world": 1, "out": str(tmp_path / "x"), "model": str(dense), "parallel": {}, "ckpt": str(ckpt)})],
-            capture_output=True, text=True, env=subprocess_env(), timeout=300)
-        assert proc.returncode != 0 and "train.distributed_optimizer=true" in proc.stderr
+        code, log = run_ranks("resume", {"world": 1, "out": str(tmp_path / "x"), "model": str(dense),
+                                         "parallel": {}, "ckpt": str(ckpt)}, free_port(), subprocess_env())
+        assert code != 0 and "train.distributed_optimizer=true" in log
 
 
 # ------------------------------------------------------------- weight sync
