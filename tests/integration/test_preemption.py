@@ -6,8 +6,10 @@ completed step is written within seconds (not after the step), the driver
 exits with state `preempted`, and submitting the run again regenerates the
 dropped step from the right prompt cursor. Generation is made long on purpose:
 greedy decoding of a random 4-layer model over 26 letters rarely meets its
-end-of-sequence token, so each step decodes up to `max_new_tokens` (10 to 30 s
-a step here), while a checkpoint of this model takes well under a second.
+end-of-sequence token, so each answer decodes up to `max_new_tokens`, and with
+two requests at a time a step's 16 answers take about 4 s here (all 16 at once
+took 1.5 s, short enough for the signal to miss the rollout on a slower
+machine), while a checkpoint of this model takes well under a second.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 PROMPTS_PER_STEP = 4
 LONG_STEPS = ["train.steps=2", "checkpoint.interval=1000", f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
               "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=440", "rollout.temperature=0.0",
+              "rollout.max_concurrency=2",
               "model.hidden_size=128", "model.num_layers=4", "model.alphabet=abcdefghijklmnopqrstuvwxyz",
               "logging.tensorboard=false"]
 CHECKPOINT_WITHIN_S = 5.0  # from the signal to the checkpoint of the last completed step on disk
@@ -75,7 +78,7 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
 
 
 def stop_mid_rollout(mode: str, signum: int, cwd: Path) -> tuple[float, int, str]:
-    """Run until step 1 is logged, signal the driver a second later, inside step 2's rollout; returns
+    """Run until step 1 is logged, signal the driver half a second later, inside step 2's rollout; returns
     (seconds from the signal to step 1's checkpoint on disk, the driver's exit code, its output)."""
     run, out_path = cwd / "run", cwd / "driver.out"
     with out_path.open("w") as out:
@@ -85,8 +88,8 @@ def stop_mid_rollout(mode: str, signum: int, cwd: Path) -> tuple[float, int, str
             assert driver.poll() is None, f"the driver ended early:\n{out_path.read_text()[-3000:]}"
             return logged_steps(run) == [1]
 
-        wait_for(step_one_logged, 600, "step 1")
-        time.sleep(1.0)
+        wait_for(step_one_logged, 600, "step 1", poll=0.1)
+        time.sleep(0.5)
         assert latest_checkpoint(run) is None and logged_steps(run) == [1]  # step 2 is rolling out
         driver.send_signal(signum)
         signalled = time.monotonic()

@@ -195,8 +195,8 @@ def test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes(slurm_c
     itself, and the rerun regenerates the dropped step."""
     job_id = submit(tmp_path, "runs/pre", *LONG_STEPS)
     run = tmp_path / "runs" / "pre"
-    wait_for(lambda: steps_done(run, 1), 400, "step 1")
-    time.sleep(1.0)
+    wait_for(lambda: steps_done(run, 1), 400, "step 1", poll=0.1)
+    time.sleep(0.5)
     assert latest_checkpoint(run) is None and len(metrics(run)) == 1  # step 2 is rolling out
     slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
     signalled = time.monotonic()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -196,7 +197,7 @@ def trainer_main(args) -> None:
     dist.all_reduce(total)
     if args.rank == 0:
         Path(args.out).write_text(json.dumps({"syncs": syncs, "default_group_sum": total.item()}))
-    dist.destroy_process_group()
+    _leave()
 
 
 def peer_main(args) -> None:
@@ -217,7 +218,18 @@ def peer_main(args) -> None:
         destroy_weight_update_group(group)
     if args.rank == 1:
         Path(args.out).write_text(json.dumps(received))
-    dist.destroy_process_group()
+    _leave()
+
+
+def _leave() -> None:
+    """Exit once every rank is done, without tearing the default group down: gloo's teardown while a
+    peer closes its end can abort a process ("terminate called without an active exception"), as seen
+    in CI. The product never destroys its default group either; its workers end with their process."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
