@@ -8,7 +8,19 @@ import sys
 
 import typer
 
-from relax_cli import cancel, convert_ckpt, doctor, listing, logs, recipes, reward, status, submit, validate
+from relax_cli import (
+    cancel,
+    convert_ckpt,
+    doctor,
+    listing,
+    logs,
+    recipes,
+    reward,
+    scale_rollout,
+    status,
+    submit,
+    validate,
+)
 
 app = typer.Typer(
     name="relax",
@@ -21,6 +33,8 @@ app.command("submit")(submit.submit)
 app.command("status")(status.status)
 app.command("logs")(logs.logs)
 app.command("cancel")(cancel.cancel)
+# "-1" is a change, not an option: unknown options reach the arguments
+app.command("scale-rollout", context_settings={"ignore_unknown_options": True})(scale_rollout.scale_rollout)
 app.command("convert-ckpt")(convert_ckpt.convert_ckpt)
 app.command("validate")(validate.validate)
 app.command("recipes")(recipes.recipes)

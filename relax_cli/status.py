@@ -21,6 +21,16 @@ def status(
     if as_json:
         out.print(json.dumps(report, indent=2), markup=False)
         return
+    engines, scale = report.pop("engines"), report.pop("scale")
     for key, value in report.items():
         if value is not None:
             out.print(f"{key:<18} {value}", markup=False)
+    for engine in engines or []:
+        where = f" on {engine['node']}" if engine.get("node") else ""
+        out.print(f"{'engine ' + engine['id']:<18} {engine['state']:<9} {engine['origin']:<9} "
+                  f"{engine.get('url') or '-'}{where}", markup=False)
+    if scale:
+        job = f", Slurm job {scale['slurm_job_id']}" if scale.get("slurm_job_id") else ""
+        error = f": {scale['error']}" if scale.get("error") else ""
+        out.print(f"{'scale ' + scale['id']:<18} {scale['kind']} {scale['count']} ({scale['source']}{job}) "
+                  f"{scale['state']}{error}", markup=False)

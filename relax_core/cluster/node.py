@@ -74,9 +74,15 @@ def node_env(recipe: Recipe, run: RunDir, group: str, address: str) -> dict[str,
     return env | dict(getattr(recipe.cluster, group).env)
 
 
-def node_resources(recipe: Recipe, group: str, name: str) -> dict[str, float]:
+def node_resources(recipe: Recipe, group: str, name: str, scale_op: str | None = None) -> dict[str, float]:
     nodes = getattr(recipe.cluster, group)
     resources: dict[str, float] = {node_resource(name): 1}
+    if scale_op is not None:  # a node of a scale-out job: engine slots, and the ones its engines ask for
+        from relax_core.controller.elastic import scale_resource
+        from relax_core.launch.plan import engines_per_node
+
+        slots = nodes.gpus_per_node or engines_per_node(recipe)
+        return resources | {ROLLOUT_RESOURCE: slots, scale_resource(scale_op): slots}
     if group == "train":
         resources[TRAIN_RESOURCE] = nodes.gpus_per_node or getattr(recipe.train, "cpu_ranks_per_node", 1)
     if group == rollout_group_name(recipe):  # the engines' group
@@ -97,15 +103,17 @@ def transfer_queue_cpus(recipe: Recipe, group: str, head: bool) -> int:
 
 
 def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, name: str, address: str,
-                      job_id: int, head_address: str | None, ports: NodePorts) -> list[str]:
+                      job_id: int, head_address: str | None, ports: NodePorts,
+                      scale_op: str | None = None) -> list[str]:
     nodes = getattr(recipe.cluster, group)
+    queue_cpus = 0 if scale_op else transfer_queue_cpus(recipe, group, head_address is None)
     temp_dir = Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir())) / f"rx{os.getuid()}-{job_id}-{index}"
     # `python -m`, not the `ray` script: in a venv over system packages (common with HPC modules) the
     # script is not next to the interpreter. `ray_compat` is `ray start` without a dashboard process.
     command = [sys.executable, "-m", "relax_core.cluster.ray_compat", "start", "--block", "--disable-usage-stats",
                f"--node-ip-address={address}",
-               f"--num-cpus={nodes.cpus_per_node + transfer_queue_cpus(recipe, group, head_address is None)}",
-               f"--num-gpus={nodes.gpus_per_node}", f"--resources={json.dumps(node_resources(recipe, group, name))}",
+               f"--num-cpus={nodes.cpus_per_node + queue_cpus}", f"--num-gpus={nodes.gpus_per_node}",
+               f"--resources={json.dumps(node_resources(recipe, group, name, scale_op))}",
                f"--temp-dir={temp_dir}", *ports.ray_start_flags(head=head_address is None)]
     if head_address is None:
         return command + ["--head", "--include-dashboard=false", "--no-monitor"]
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index", type=int, required=True, help="position of this node in the job")
     parser.add_argument("--head-address", default="", help="the head's address:port; empty on the head itself")
     parser.add_argument("--port-block", type=int, default=None, help="the head's leased port block")
+    parser.add_argument("--scale-op", default=None, help="a node of this scale-out's job (elastic.py)")
     args = parser.parse_args(argv)
     run = RunDir(Path(args.run_dir))
     recipe = load_recipe(run.recipe)
@@ -138,8 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     job_id = int(os.environ["SLURM_JOB_ID"])
     command = ray_start_command(recipe, run, group=args.group, index=args.index, name=name, address=address,
                                 job_id=job_id, head_address=args.head_address or None,
-                                ports=node_ports(args, job_id))
-    print(f"relax node {name} ({args.group}, index {args.index}, {address}): {' '.join(command)}", flush=True)
+                                ports=node_ports(args, job_id), scale_op=args.scale_op)
+    role = f"{args.group}, scale-out {args.scale_op}" if args.scale_op else args.group
+    print(f"relax node {name} ({role}, index {args.index}, {address}): {' '.join(command)}", flush=True)
     os.execve(command[0], command, node_env(recipe, run, args.group, address))
 
 

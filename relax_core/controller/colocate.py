@@ -4,7 +4,7 @@
         samples  = rollout with the current weights (version k-1)
         metrics  = one training step on them
         weights  -> every engine, now version k
-        engines added or removed since the last step? apply (engines.py)
+        scale operations waiting for a safe point? apply them (elastic.py)
         log; checkpoint every `checkpoint.interval` steps and at the end
     told to stop (job.stop, controller/preemption.py)? a rollout in progress is aborted and dropped,
     a training step in progress finishes; checkpoint the last completed step and return "stopped"
@@ -40,7 +40,7 @@ def train_colocate(job: Job) -> str:
     total = job.recipe.train.steps
     start = job.resume()
     for step in range(start + 1, total + 1):
-        engine_stats = job.engines.apply_pending(job.loop, job.set_endpoints)  # between steps: engines idle
+        engine_stats = job.elastic.apply(job.loop, job.set_endpoints)  # between steps: engines idle
         try:
             samples, rollout_s = timed(job.rollout, step)
         except Preempted:

@@ -1,25 +1,27 @@
-"""The rollout engines of a job, as one set that can grow and shrink between steps.
+"""The rollout engines of a job, as one set that can grow and shrink during the run.
 
 `EngineSet` owns the engine actors (each starts one engine server), the
 router in front of them (when there is one) and the trainer's weight-update
-group that reaches them. Every change happens at a safe point, when no
-request is in flight on the driver's side (between two rollout batches):
+group that reaches them. An engine loads while the run goes on (`spawn`);
+what touches the running set happens at a safe point, when no request is in
+flight on the driver's side (between two rollout batches):
 
-    add:     start engine (in a free slot: its GPUs, gpu_slots.py) -> healthy -> weight group re-formed with it ->
-             current weights broadcast to every engine -> router routes to it
-    remove:  router stops routing to it and waits until it drained ->
-             weight group re-formed without it -> engine stopped by PID
+    join:    healthy engine -> weight group re-formed with it -> current weights broadcast to every
+             engine -> router routes to it
+    remove:  router stops routing to it and waits until it drained -> weight group re-formed without
+             it -> engine stopped by PID (only one this run started)
 
 so an added engine never answers a request with stale weights, and a removed
-one finishes what it was given. The rollout side reaches the engines through
-`endpoints()`: the router's URL, or each engine's URL when there is no router.
+one finishes what it was given. Which engines come and go, and when, is the
+scale operations' business (elastic.py). The rollout side reaches the engines
+through `endpoints()`: the router's URL, or each engine's URL when there is no
+router.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,9 +70,8 @@ class EngineSet:
         self._slot_of: dict[int, Any] = {}  # slot -> the engine actor holding it
         self.actors: dict[str, Any] = {}  # url -> EngineWorker actor
         self._next_index = 0
-        self._pending: list[int] = []  # requested changes (+1 / -1), applied at the next safe point
-        self._lock = threading.Lock()
         self._launched: list = []
+        self._extra: list = []  # engines started during the run (joined or not yet)
 
     # ------------------------------------------------------------ start-up
     def launch(self, count: int) -> list:
@@ -78,20 +79,23 @@ class EngineSet:
         self._launched = [self._spawn() for _ in range(count)]
         return [actor.wait_ready.remote() for actor in self._launched]
 
-    def _spawn(self):
+    def _spawn(self, options: dict[str, Any] | None = None):
         from relax_core.controller.workers import EngineWorker
 
         s, index = self.spec, self._next_index
+        slot, gpus = None, None
+        if options is None:
+            slot = self._free_slot()
+            options, gpus = self.slots.engine_options(slot)
         self._next_index += 1
-        slot = self._free_slot()
-        options, gpus = self.slots.engine_options(slot)
         # Two threads: where it runs (`node_id`, to place the rollout service beside it) is answered
         # while `wait_ready` still waits for the server.
         actor = self._ray.remote(max_concurrency=2)(EngineWorker).options(**options).remote(
             index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads, s.seed,
             s.max_running_requests, s.cpus, s.trust_remote_code, engine=s.engine, engine_args=s.engine_args,
             tp_size=max(s.gpus, 1), gpus=gpus, video=s.video)
-        self._slot_of[slot] = actor
+        if slot is not None:
+            self._slot_of[slot] = actor
         return actor
 
     def _free_slot(self) -> int:
@@ -150,65 +154,67 @@ class EngineSet:
         """The engine actors started at launch (the first one places the rollout service beside it)."""
         return list(self._launched)
 
-    @property
-    def pending(self) -> bool:
-        """Changes were requested and not yet applied."""
-        with self._lock:
-            return bool(self._pending)
+    def ready(self, actor):
+        """A ref that resolves to the URL of `actor`'s engine once it is healthy."""
+        return actor.wait_ready.remote()
 
     def endpoints(self) -> list[str]:
         """Where the rollout manager sends requests: the router, or every engine."""
         return [self.router.url] if self.router is not None else self.urls
 
     # ------------------------------------------------------------- changes
-    def request(self, delta: int) -> None:
-        """Ask for `delta` more (or fewer) engines; applied by `apply_pending` at the next safe point."""
-        with self._lock:
-            self._pending.append(delta)
-
-    def apply_pending(self, loop: asyncio.AbstractEventLoop,
-                      on_change: Callable[[list[str]], None] | None = None) -> dict[str, float]:
-        """Apply the requested changes (call between rollout batches); returns what changed."""
-        with self._lock:
-            deltas, self._pending = self._pending, []
-        added = removed = 0
-        for delta in deltas:
-            for _ in range(max(delta, 0)):
-                loop.run_until_complete(self.add())
-                added += 1
-            for _ in range(max(-delta, 0)):
-                if len(self.actors) <= 1:
-                    log.warning("not removing the last engine")
-                    break
-                loop.run_until_complete(self.remove(self.urls[-1]))
-                removed += 1
-        if (added or removed) and on_change is not None:
-            on_change(self.endpoints())
-        return {"engines": float(len(self.actors)), "engines_added": float(added), "engines_removed": float(removed)}
-
-    async def add(self) -> str:
-        """Start one engine, give it the weights every other engine holds, then route to it."""
+    def spawn(self, options: dict[str, Any] | None = None):
+        """Start one more engine (it loads while the run goes on); `options`: Ray options placing it on
+        nodes that joined for it (a scale-out job's, controller/elastic.py), else it takes a free slot of
+        the engines' group. Returns the actor; `ready(actor)` resolves to its URL once healthy."""
         if self.hands_over:  # the resend would need every trainer rank, which only `Job.sync_weights` calls
             raise RuntimeError("engines on the trainer ranks' GPUs (colocate on GPU nodes) cannot be added "
                                "during a run; start the run with rollout.num_engines of them")
-        actor = self._spawn()
-        url = await asyncio.wrap_future(actor.wait_ready.remote().future())
-        self.actors[url] = actor
-        await asyncio.wrap_future(self.trainer0.set_engines.remote(self.urls, True).future())
-        if self.router is not None:
-            await self.router.add_engine(url)
-        log.info("engine %s added", url)
-        return url
+        actor = self._spawn(options)
+        self._extra.append(actor)
+        return actor
 
-    async def remove(self, url: str) -> None:
-        """Stop routing to `url`, let it drain, drop it from the weight group, stop it."""
-        if self.router is not None:
-            await self.router.remove_engine(url)
+    async def join(self, url: str, actor=None) -> None:
+        """Call at a safe point (no request in flight): `url` (a healthy engine; `actor`: the one that runs
+        it, None for an engine someone else started) joins the weight group, gets the weights every other
+        engine holds, and only then is routed to."""
+        self.actors[url] = actor
+        try:
+            await asyncio.wrap_future(self.trainer0.set_engines.remote(self.urls, True).future())
+            if self.router is not None:
+                await self.router.add_engine(url)
+        except BaseException:
+            self.actors.pop(url, None)
+            raise
+        log.info("engine %s joined", url)
+
+    async def remove(self, url: str, alive: bool = True) -> None:
+        """Stop routing to `url`, let it drain, drop it from the weight group, stop it (if this run started
+        it). `alive` False: the engine is gone (its node left): it is only forgotten."""
+        if self.router is not None and url in await self.router.engines():
+            await self.router.remove_engine(url, drain=alive)
         actor = self.actors.pop(url)
         await asyncio.wrap_future(self.trainer0.set_engines.remote(self.urls, False).future())
-        await asyncio.wrap_future(actor.stop.remote().future())
-        self._slot_of = {slot: a for slot, a in self._slot_of.items() if a is not actor}  # its GPUs are free
+        if actor is not None:
+            await self.stop_actor(actor, alive)
         log.info("engine %s removed", url)
+
+    async def stop_actor(self, actor, alive: bool = True) -> None:
+        """Stop an engine this run started (also one that never joined) and end its actor."""
+        if alive:
+            try:
+                await asyncio.wrap_future(actor.stop.remote().future())
+            except Exception as exc:  # its node may be going away as well
+                log.warning("stopping an engine failed: %s", exc)
+        self._ray.kill(actor)
+        self._slot_of = {slot: a for slot, a in self._slot_of.items() if a is not actor}  # its GPUs are free
+        self._extra = [a for a in self._extra if a is not actor]
+
+    def forget(self, actor) -> None:
+        """End an engine that never joined (a cancelled or failed scale-out): its actor, and the slot."""
+        self._ray.kill(actor)
+        self._slot_of = {slot: a for slot, a in self._slot_of.items() if a is not actor}
+        self._extra = [a for a in self._extra if a is not actor]
 
     # ------------------------------------------------------------ shutdown
     def stop(self) -> None:
@@ -218,4 +224,5 @@ class EngineSet:
             self.router.stop()
         from relax_core.controller.workers import end_actors
 
-        end_actors(self._ray, list({id(a): a for a in [*self.actors.values(), *self._launched]}.values()), "engines")
+        started = [a for a in [*self.actors.values(), *self._launched, *self._extra] if a is not None]
+        end_actors(self._ray, list({id(a): a for a in started}.values()), "engines")

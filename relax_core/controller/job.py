@@ -57,6 +57,8 @@ class Job:
         self.trainers: list = []
         self._ray = ray
         self.engines = None
+        self.elastic = None  # scale operations (elastic.py), once the engines are up
+        self.api = None  # the control API (api.py)
         self.slots = None  # controller/gpu_slots.py: what each trainer rank and engine asks Ray for
         self.bus = None  # TransferQueue (asynchronous modes)
         self.services = None  # relax_core.services.launch.ServiceSet (asynchronous modes)
@@ -99,10 +101,48 @@ class Job:
         self.judge = self.judges.endpoints()  # None without reward.genrm; plain data for the reward hub
         log.info("engines ready: %s", ", ".join(urls))
         self.engines.connect(urls)
+        self._start_control()
         if self.services is not None:
             log.info("services ready: %s", self.services.ready(self._ray))
         else:
             self._connect()
+
+    def _start_control(self) -> None:
+        """The scale operations (elastic.py) and the control API that takes them (api.py)."""
+        from relax_core.controller.api import ControlApi
+        from relax_core.controller.elastic import Elastic
+        from relax_core.controller.workers import node_ip
+        from relax_core.launch.plan import engines_per_node, local_engine_capacity
+        from relax_core.launch.scale_jobs import ScaleJobRequests
+
+        executor = self.run.read_state().get("executor") or "local"
+        slurm = executor == "slurm"
+        self.elastic = Elastic(self, "slurm" if slurm else "local",
+                               capacity=None if slurm else local_engine_capacity(self.recipe),
+                               per_node=engines_per_node(self.recipe) or 1,
+                               scale_jobs=ScaleJobRequests(self.run) if slurm else None,
+                               on_change=lambda: self.run.update_state(**self.elastic.snapshot()))
+        self.run.update_state(**self.elastic.snapshot())
+        self.api = ControlApi.start(self.run, self.elastic, node_ip(), self.api_status)
+
+    def api_status(self) -> dict[str, Any]:
+        """The run as GET /v1/status shows it (the engines and scale operation are added there)."""
+        return {"run_id": self.run.run_id(), "name": self.recipe.name, "mode": self.recipe.mode, "state": "running",
+                "step": self.completed[0], "total_steps": self.recipe.train.steps,
+                "policy_version": self.policy_version, "stopping": self.stop.is_set(),
+                "router": self.engines.router.url if self.engines.router is not None else None}
+
+    def restore_engines(self, added: int) -> None:
+        """A resumed run asks again for the engines its scale-outs had added (the checkpoint's count)."""
+        from relax_core.controller.elastic import ScaleError
+
+        if added <= 0:
+            return
+        try:
+            code, op = self.elastic.request(delta=added, request_id=f"resume-{self.checkpointed}")
+            log.info("resumed with %d added engine(s): scale operation %s", added, op.get("id"))
+        except ScaleError as exc:
+            log.warning("the checkpoint had %d added engine(s), which cannot be added again: %s", added, exc)
 
     @cached_property
     def tokenizer(self):
@@ -256,7 +296,8 @@ class Job:
         """Save every rank's state (rank 0 adds the critic service's); `data_state`: the prompt cursor as of
         this step (when rollout runs ahead)."""
         data = data_state if data_state is not None else self.prompts.state_dict()
-        progress = {"step": step, "data": data, "policy_version": step}
+        progress = {"step": step, "data": data, "policy_version": step,
+                    "engines_added": self.elastic.started_by_scale() if self.elastic is not None else 0}
         keep = self.recipe.checkpoint.keep_last
         critic = self.services.critic_state() if self.services is not None else None
         self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep, critic if rank == 0 else None)
@@ -301,6 +342,7 @@ class Job:
         log.info("resumed from %s at step %d", self.ckpt_dir, progress["step"])
         self.checkpointed = int(progress["step"])
         self.completed = (self.checkpointed, dict(progress["data"]))
+        self.restore_engines(int(progress.get("engines_added", 0)))
         return self.checkpointed
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -308,6 +350,10 @@ class Job:
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
+        if self.api is not None:
+            self.api.stop()
+        if self.elastic is not None:
+            self.elastic.close()
         if self.services is not None:
             self.services.stop(self._ray)
         if self.bus is not None:

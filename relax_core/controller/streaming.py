@@ -196,13 +196,13 @@ class Upcoming:
 def apply_engine_changes(job: Job) -> dict[str, float]:
     """Engines added or removed since the last step, applied with the rollout service held between
     two batches (an added engine gets the weights before its first request)."""
-    if not job.engines.pending:
+    if not job.elastic.needs_safe_point:
         return {"engines": float(len(job.engines.urls))}
     rollout, ray = job.services.rollout, job._ray
     ray.get(rollout.pause.remote())
     changed: list[list[str]] = []
     try:
-        return job.engines.apply_pending(job.loop, changed.append)
+        return job.elastic.apply(job.loop, changed.append)
     finally:
         rollout.resume.remote(changed[-1] if changed else None)
 

@@ -439,6 +439,12 @@ class EngineWorker:
 
         return node_id()
 
+    def where(self) -> str:
+        """The name of the node the engine runs on (Slurm's, else the host's)."""
+        import socket
+
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
     def wait_ready(self, timeout_s: float | None = None) -> str:
         """The engine's URL once it is healthy (`timeout_s`: default, the engine kind's own limit)."""
         return self.server.wait_ready(timeout_s or self.ready_timeout_s)

@@ -58,11 +58,12 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
 def local_slots(recipe: Recipe) -> dict[str, float]:
     """The custom resources of the one local Ray node: every group's slots (as `cluster.node` gives a node)."""
     from relax_core.cluster.node import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from relax_core.launch.plan import local_engine_capacity
 
     # GPU engines: the engines' group's GPUs, as a node of it declares them (their placement groups take
-    # them all, controller/gpu_slots.py); CPU engines: one slot each
+    # them all, controller/gpu_slots.py); CPU engines: one slot each, for as many as a scale-out may add
     engine_gpus = recipe.rollout.gpus_per_engine and getattr(recipe.cluster, rollout_group_name(recipe)).gpus_per_node
-    slots = {TRAIN_RESOURCE: recipe.train_ranks, ROLLOUT_RESOURCE: engine_gpus or recipe.rollout.num_engines}
+    slots = {TRAIN_RESOURCE: recipe.train_ranks, ROLLOUT_RESOURCE: engine_gpus or local_engine_capacity(recipe)}
     if recipe.reward.judge_engines:  # the judge's engines (reward.genrm), beside the rollout engines
         slots[JUDGE_RESOURCE] = recipe.reward.judge_engines
     if recipe.cluster.reference.nodes:  # one reference worker: the group's one node (LocalExecutor.problems)

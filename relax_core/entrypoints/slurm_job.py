@@ -17,7 +17,11 @@ step within seconds; then this step requeues the job, which resumes from that
 checkpoint. A run whose newest checkpoint is no newer than the one it started
 from made no progress and is not requeued, so a failing start-up cannot loop.
 It holds the run directory's driver lock for its whole life, so no local
-driver or second job drives the same run meanwhile.
+driver or second job drives the same run meanwhile. It also submits the
+rollout-only jobs the driver asks for (`relax scale-rollout +N`,
+launch/scale_jobs.py: the driver may run in a container without Slurm's
+commands) and cancels them when they are done with, and all of them when the
+job ends.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from relax_core.cluster.ports import NodePorts, lease_ports
 from relax_core.config.schema import Recipe
 from relax_core.errors import UserError
 from relax_core.launch.rundir import DriverLock, RunDir
+from relax_core.launch.scale_jobs import ScaleJobs
 
 # Exit codes of the driver step.
 DRIVER_COMPLETED, DRIVER_STOPPED, DRIVER_STARTUP_FAILED = 0, 3, 4
@@ -88,15 +93,9 @@ class JobSteps:
 
     def step_command(self, group: str, node: str, job_name: str, argv: list[str]) -> list[str]:
         """`srun` of one step on one node, inside the container when the recipe names one."""
-        from relax_core.launch.container import container_prefix
-
-        cluster = self.recipe.cluster
-        het = [f"--het-group={cluster.groups.index(group)}"] if len(cluster.groups) > 1 else []
-        prefix = container_prefix(cluster.container, run_dir=self.run.path,
-                                  gpus=getattr(cluster, group).gpus_per_node > 0)
-        python = "python3" if cluster.container.image else sys.executable
-        return ["srun", *het, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
-                f"--job-name={job_name}", *prefix, python, "-m", *argv]
+        groups = self.recipe.cluster.groups
+        het = groups.index(group) if len(groups) > 1 else None
+        return srun_command(self.recipe, self.run, group, node, job_name, argv, het)
 
     def srun(self, group: str, node: str, job_name: str, argv: list[str], log_path: Path) -> Step:
         command = self.step_command(group, node, job_name, argv)
@@ -129,10 +128,13 @@ class JobSteps:
         if self.driver is not None and self.driver.proc.poll() is None:
             self.driver.proc.send_signal(signum)
 
-    def supervise(self, poll_s: float = 0.5) -> tuple[int | None, str | None]:
-        """Wait for the driver to end; returns (its exit code, or None, and a node failure if one ended it)."""
+    def supervise(self, poll_s: float = 0.5, scale_jobs=None) -> tuple[int | None, str | None]:
+        """Wait for the driver to end; returns (its exit code, or None, and a node failure if one ended it).
+        Meanwhile `scale_jobs` (launch/scale_jobs.py) submits and cancels the driver's scale-out jobs."""
         assert self.driver is not None
         while True:
+            if scale_jobs is not None:
+                scale_jobs.poll()
             code = self.driver.proc.poll()
             if code is not None:
                 return code, None
@@ -145,6 +147,20 @@ class JobSteps:
         """Stop every step this job started (driver first), by its process group."""
         for step in ([self.driver] if self.driver else []) + list(reversed(self.nodes)):
             terminate(step.proc)
+
+
+def srun_command(recipe: Recipe, run: RunDir, group: str, node: str, job_name: str, argv: list[str],
+                 het_group: int | None = None) -> list[str]:
+    """`srun` of `python -m argv` on one node of this job (of het group `het_group`), inside the container
+    when the recipe names one."""
+    from relax_core.launch.container import container_prefix
+
+    cluster = recipe.cluster
+    het = [f"--het-group={het_group}"] if het_group is not None else []
+    prefix = container_prefix(cluster.container, run_dir=run.path, gpus=getattr(cluster, group).gpus_per_node > 0)
+    python = "python3" if cluster.container.image else sys.executable
+    return ["srun", *het, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
+            f"--job-name={job_name}", *prefix, python, "-m", *argv]
 
 
 def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
@@ -195,12 +211,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGUSR1, on_usr1)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: stop the steps on the way out
+    scale_jobs = ScaleJobs(recipe, run)
     try:
         steps.start_nodes(head, head_lease.ports.block)
         steps.start_driver()
-        code, node_failure = steps.supervise()
+        code, node_failure = steps.supervise(scale_jobs=scale_jobs)
     finally:
         steps.stop()
+        scale_jobs.cancel_all()  # whatever the run started ends with it
     return finish(run, alloc, code, node_failure, start_step, bool(preempted))
 
 

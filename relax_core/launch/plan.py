@@ -72,6 +72,14 @@ def engine_slots(recipe: Recipe) -> int:
     return getattr(recipe.cluster, rollout_group_name(recipe)).nodes * engines_per_node(recipe)
 
 
+def local_engine_capacity(recipe: Recipe) -> int:
+    """Engines a local run holds at once, scale-outs included: its GPU engine slots, or (CPU engines) one
+    per core of this machine, at least the recipe's own."""
+    if recipe.rollout.gpus_per_engine:
+        return engine_slots(recipe)
+    return max(recipe.rollout.num_engines, os.cpu_count() or 1)
+
+
 # ------------------------------------------------------------------- check
 def resource_problems(recipe: Recipe) -> list[str]:
     """GPU engines that do not fit their group, with the arithmetic (trainer ranks fit by construction)."""

@@ -39,32 +39,33 @@ class Component:
     options: list[str]
 
 
-def _option(flag: str, value: object) -> str:
+def sbatch_option(flag: str, value: object) -> str:
     return f"{flag}={shlex.quote(str(value))}"
 
 
 def component_options(recipe: Recipe, group: NodeGroup) -> list[str]:
     """`#SBATCH` options of one het component."""
     slurm = recipe.cluster.slurm
-    options = [_option("--nodes", group.nodes), "--ntasks-per-node=1", _option("--cpus-per-task", group.cpus_per_node)]
+    options = [sbatch_option("--nodes", group.nodes), "--ntasks-per-node=1",
+               sbatch_option("--cpus-per-task", group.cpus_per_node)]
     if group.gpus_per_node:
-        options.append(_option("--gpus-per-node", group.gpus_per_node))
+        options.append(sbatch_option("--gpus-per-node", group.gpus_per_node))
     for flag, value in (("--mem", group.mem), ("--partition", slurm.partition), ("--account", slurm.account),
                         ("--qos", slurm.qos), ("--constraint", slurm.constraint)):
         if value:
-            options.append(_option(flag, value))
-    options.append(_option("--time", slurm.time))
+            options.append(sbatch_option(flag, value))
+    options.append(sbatch_option("--time", slurm.time))
     return options + list(slurm.extra_sbatch)
 
 
 def job_options(recipe: Recipe, run: RunDir) -> list[str]:
     """Options of the whole job (they go on the first component)."""
     return [
-        _option("--job-name", f"relax-{recipe.name}"),
-        _option("--output", run.logs / "slurm-%j.out"),
+        sbatch_option("--job-name", f"relax-{recipe.name}"),
+        sbatch_option("--output", run.logs / "slurm-%j.out"),
         "--open-mode=append",
         # USR1 to the batch step N seconds before the time limit: checkpoint and requeue.
-        _option("--signal", f"B:USR1@{recipe.cluster.slurm.signal_before_end_s}"),
+        sbatch_option("--signal", f"B:USR1@{recipe.cluster.slurm.signal_before_end_s}"),
         "--requeue",
     ]
 
@@ -109,8 +110,8 @@ def render_job_script(recipe: Recipe, run: RunDir, python: str | None = None) ->
 
 
 # ------------------------------------------------------------------ sbatch
-def _sbatch(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["sbatch", *args], capture_output=True, text=True, timeout=120)
+def _sbatch(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["sbatch", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_only(script: Path) -> None:
@@ -140,8 +141,8 @@ def explain_sbatch_error(stderr: str, script: Path) -> str:
     return f"Slurm would not run {script}: {stderr}\n  {hint}"
 
 
-def submit_script(script: Path) -> str:
-    proc = _sbatch("--parsable", str(script))
+def submit_script(script: Path, env: dict[str, str] | None = None) -> str:
+    proc = _sbatch("--parsable", str(script), env=env)
     if proc.returncode != 0:
         raise RecipeError(explain_sbatch_error(proc.stderr.strip(), script))
     return proc.stdout.strip().split(";")[0]

@@ -63,6 +63,10 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "started": state.get("started"),
         "finished": state.get("finished"),
         "error": state.get("error"),
+        # the driver records these as they change (controller/elastic.py); live, GET /v1/engines adds
+        # each engine's weight version and load
+        "engines": state.get("engines") if status in ("running", "requeued") else None,
+        "scale": state.get("scale"),
     }
 
 

@@ -233,8 +233,9 @@ class Router:
                 f"{url} to be routed to",
             )
 
-    async def remove_engine(self, url: str, drain_timeout_s: float = 300) -> None:
-        """Stop routing new requests to `url`, then wait until its in-flight requests finished."""
+    async def remove_engine(self, url: str, drain_timeout_s: float = 300, drain: bool = True) -> None:
+        """Stop routing new requests to `url`, then (`drain`) wait until its in-flight requests finished;
+        without `drain` (the engine is gone) only the router forgets it."""
         deadline = time.monotonic() + drain_timeout_s
         async with self._client() as http:
             ids = [w["id"] for w in await _workers(http) if w["url"] == url]
@@ -245,7 +246,8 @@ class Router:
             await self._until(
                 http, lambda ws: all(w["url"] != url for w in ws), drain_timeout_s, f"{url} to leave the router"
             )
-        await wait_drained(url, self._api_key, max(deadline - time.monotonic(), 1.0))
+        if drain:
+            await wait_drained(url, self._api_key, max(deadline - time.monotonic(), 1.0))
 
     def _client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=30)

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 # Steps made long by generation, and how to read a run's checkpoints: shared with the local test.
@@ -212,6 +213,46 @@ def test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes(slurm_c
     assert [row["step"] for row in metrics(run)] == [1, 2]
     assert saved_progress(run) == {"step": 2, "data": {"cursor": 2 * PROMPTS_PER_STEP}, "policy_version": 2}
     assert "at step 1" in (run / "logs" / "driver.log").read_text()  # "resumed from ... at step 1"
+
+
+@pytest.mark.slow
+def test_scale_rollout_grows_the_job_onto_a_second_slurm_job_and_back(slurm_cluster, tmp_path):
+    """`relax scale-rollout +1` on a running fully_async job: a rollout-only job starts, its node joins the
+    run's Ray cluster, its engine gets the weights and serves (the router routes to it, its own counter
+    counts); `-1` drains it and that job ends; the run completes, every step within the staleness bound
+    and every sample trained on once (the driver checks both every step)."""
+    from test_elastic import Api, engine_stats
+
+    job_id = submit(tmp_path, "runs/el", "mode=fully_async", "rollout.router=true", "rollout.max_staleness=1",
+                    "train.steps=45")
+    run = tmp_path / "runs" / "el"
+    wait_for(lambda: steps_done(run, 1), 400, "step 1", poll=0.2)
+    api, key = Api(run), (run / "secrets" / "engine_api_key").read_text().strip()
+    asked = time.monotonic()
+    grow = relax("scale-rollout", "+1", "runs/el", cwd=tmp_path, timeout=300)
+    assert grow.returncode == 0, grow.stdout + grow.stderr + logs_of(run)
+    op = api.get("/v1/scale").json()["operations"][-1]
+    extra = op["slurm_job_id"]
+    assert extra and extra != job_id and "Slurm job" in grow.stdout
+    assert slurm_cluster.run(["squeue", "-h", "-j", extra, "-o", "%T"]).stdout.strip() == "RUNNING"
+    added = api.engine(op["engines"][0])
+    assert added["state"] == "active" and added["node"] in ("n3", "n4"), added
+    wait_for(lambda: engine_stats(added["url"], key)["finished_requests"] > 0, 60, "its first request", poll=0.2)
+    print(f"slurm: relax scale-rollout +1 -> the new engine's first request: {time.monotonic() - asked:.1f}s")
+    router = api.get("/v1/status").json()["router"]
+    workers = httpx.get(f"{router}/workers", headers={"Authorization": f"Bearer {key}"}).json()["workers"]
+    assert added["url"] in [w["url"] for w in workers]
+    assert f"ray-{added['node']}-{op['id']}.log" in [p.name for p in (run / "logs").iterdir()]
+
+    shrink = relax("scale-rollout", "-1", "runs/el", cwd=tmp_path, timeout=300)
+    assert shrink.returncode == 0, shrink.stdout + shrink.stderr
+    wait_for(lambda: slurm_cluster.run(["squeue", "-h", "-j", extra, "-o", "%T"], check=False).stdout.strip()
+             in ("", "COMPLETED", "CANCELLED"), 60, "the scale-out job to end")
+    final = final_status(tmp_path, "runs/el", 400, "the job to finish")
+    assert final["state"] == "completed", logs_of(run)
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 46)) and max(r["staleness_max"] for r in rows) <= 1
+    assert 2.0 in [r["engines"] for r in rows] and rows[-1]["engines"] == 1.0
 
 
 @pytest.mark.slow

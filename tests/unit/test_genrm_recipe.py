@@ -122,7 +122,8 @@ def test_judge_slots_sit_on_the_engines_group(tmp_path):
     shared = QUICKSTART["cluster"] | {"rollout": {"nodes": 0}}  # colocate without a rollout group
     recipe = load_recipe(recipe_file(tmp_path, judge, cluster=shared))
     assert node_resources(recipe, "train", "n0")[JUDGE_RESOURCE] == 3
-    assert local_slots(recipe)[JUDGE_RESOURCE] == 3 and local_slots(recipe)[ROLLOUT_RESOURCE] == 1
+    # one engine slot per core: the recipe's engine, and as many as a scale-out may add on this machine
+    assert local_slots(recipe)[JUDGE_RESOURCE] == 3 and local_slots(recipe)[ROLLOUT_RESOURCE] == os.cpu_count()
 
 
 def test_no_judge_slots_without_a_judge(tmp_path):

@@ -102,7 +102,8 @@ def test_the_reference_nodes_ray_start_carries_its_resource_and_cores():
 
 
 def test_the_local_ray_node_has_one_reference_slot():
-    assert local_slots(reference_recipe()) == {"relax_train": 1, "relax_rollout": 1, REFERENCE_RESOURCE: 1}
+    # relax_rollout: one engine slot per core (the recipe's engine and what a scale-out may add here)
+    assert local_slots(reference_recipe()) == {"relax_train": 1, "relax_rollout": os.cpu_count(), REFERENCE_RESOURCE: 1}
 
 
 @pytest.mark.parametrize("cores, expected", [

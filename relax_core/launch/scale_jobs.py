@@ -1,0 +1,180 @@
+"""The rollout-only Slurm jobs a running job grows onto (`relax scale-rollout +N`).
+
+    driver (controller/elastic.py)          supervisor (entrypoints/slurm_job.py, on the host)
+    ------------------------------          --------------------------------------------------
+    ScaleJobRequests.submit(op, nodes)  ->  scale/<op>.submit.json  ->  renders scale/<op>.sbatch, sbatch
+                                        <-  scale/<op>.job.json        {"job_id"} or {"error"}; "ended" once
+                                                                       Slurm no longer runs it
+    ScaleJobRequests.cancel(op)         ->  scale/<op>.cancel       ->  scancel (also every job, at the end)
+    scale-out job's batch step (entrypoints/slurm_scale.py), on Slurm's USR1 before its time limit:
+                                        ->  scale/<op>.ending          its engines leave at the next safe point
+
+The requests are files in the run directory because the driver may run inside
+a container without Slurm's commands, while the supervisor runs on the host.
+Each file is written whole (a temporary file renamed into place).
+
+A scale-out job has one node per engine group (as many engines as one node of
+the engines' group holds), the engines' group's shape (CPUs, GPUs, memory),
+the run's partition, account, QOS, constraint, time limit and container, and
+no requeue: the run re-requests its engines when it resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from relax_core.config.schema import Recipe, rollout_group_name
+from relax_core.launch.rundir import RunDir
+
+log = logging.getLogger(__name__)
+FOLDER = "scale"
+STATE_EVERY_S = 3.0  # how often the supervisor asks Slurm about its scale-out jobs
+
+
+def _folder(run: RunDir) -> Path:
+    path = run.path / FOLDER
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class ScaleJobRequests:
+    """The driver's side: ask for a scale-out job, read what became of it, ask for its end."""
+
+    def __init__(self, run: RunDir):
+        self.folder = _folder(run)
+
+    def submit(self, op_id: str, nodes: int) -> None:
+        _write(self.folder / f"{op_id}.submit.json", {"op": op_id, "nodes": nodes})
+
+    def result(self, op_id: str) -> dict[str, Any] | None:
+        return _read(self.folder / f"{op_id}.job.json")
+
+    def cancel(self, op_id: str) -> None:
+        path = self.folder / f"{op_id}.cancel"
+        if not path.exists():
+            path.write_text("")
+
+    def ending(self, op_id: str) -> bool:
+        return (self.folder / f"{op_id}.ending").exists()
+
+
+def scale_job_options(recipe: Recipe, run: RunDir, op_id: str, nodes: int) -> list[str]:
+    """`#SBATCH` options of scale-out `op_id`'s job: `nodes` nodes shaped as the engines' group."""
+    from relax_core.launch.slurm import component_options, sbatch_option
+
+    group = getattr(recipe.cluster, rollout_group_name(recipe)).model_copy(update={"nodes": nodes})
+    signal = f"B:USR1@{recipe.cluster.slurm.signal_before_end_s}"
+    return [sbatch_option("--job-name", f"relax-{recipe.name}-{op_id}"),
+            sbatch_option("--output", run.logs / "slurm-%j.out"), "--open-mode=append",
+            sbatch_option("--signal", signal), "--no-requeue", *component_options(recipe, group)]
+
+
+def render_scale_script(recipe: Recipe, run: RunDir, op_id: str, nodes: int, python: str | None = None) -> str:
+    import jinja2
+
+    from relax_core.assets import asset_dir
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(asset_dir("templates")),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+                             keep_trailing_newline=True)
+    launcher = [python or sys.executable, "-m", "relax_core.entrypoints.slurm_scale", str(run.path), "--op", op_id]
+    return env.get_template("scale_rollout.sbatch.j2").render(
+        name=recipe.name, op=op_id, options=scale_job_options(recipe, run, op_id, nodes),
+        setup=list(recipe.cluster.slurm.setup), run_dir=shlex.quote(str(run.path)), launcher=shlex.join(launcher))
+
+
+def outside_this_job() -> dict[str, str]:
+    """The environment for `sbatch` from inside a job: without the job's SLURM_* variables (Slurm's
+    configuration aside), which the new job would inherit: its `srun` took it for this het job's step."""
+    keep = ("SLURM_CONF",)
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k in keep}
+
+
+class ScaleJobs:
+    """The supervisor's side: carries out the driver's requests (`poll`, every half second), and cancels
+    every scale-out job it submitted when the run's job ends (`cancel_all`)."""
+
+    def __init__(self, recipe: Recipe, run: RunDir):
+        self.recipe, self.run = recipe, run
+        self.folder = run.path / FOLDER
+        self.jobs: dict[str, str] = {}  # op -> Slurm job id, of the jobs still running
+        self._next_state = 0.0
+
+    def poll(self) -> None:
+        if not self.folder.is_dir():
+            return
+        for request in sorted(self.folder.glob("*.submit.json")):
+            self._submit(request)
+        for cancel in sorted(self.folder.glob("*.cancel")):
+            op_id = cancel.name.removesuffix(".cancel")
+            if op_id in self.jobs:
+                self._cancel(op_id)
+        if self.jobs and time.monotonic() >= self._next_state:
+            self._next_state = time.monotonic() + STATE_EVERY_S
+            self._note_ended()
+
+    def _submit(self, request: Path) -> None:
+        from relax_core.launch.slurm import submit_script
+
+        asked = _read(request)
+        request.unlink(missing_ok=True)
+        if not asked:
+            return
+        op_id, nodes = str(asked["op"]), int(asked["nodes"])
+        script = self.folder / f"{op_id}.sbatch"
+        try:
+            script.write_text(render_scale_script(self.recipe, self.run, op_id, nodes))
+            job_id = submit_script(script, env=outside_this_job())
+        except Exception as exc:  # Slurm's refusal, named for the user
+            _write(self.folder / f"{op_id}.job.json", {"error": f"sbatch refused the scale-out job: {exc}"})
+            print(f"relax: scale-out {op_id}: {exc}", file=sys.stderr, flush=True)
+            return
+        self.jobs[op_id] = job_id
+        _write(self.folder / f"{op_id}.job.json", {"job_id": job_id, "nodes": nodes})
+        print(f"relax: scale-out {op_id}: submitted Slurm job {job_id} ({nodes} node(s))", flush=True)
+
+    def _cancel(self, op_id: str) -> None:
+        job_id = self.jobs.pop(op_id)
+        subprocess.run(["scancel", job_id], capture_output=True, text=True, timeout=60)
+        self._mark_ended(op_id, "cancelled")
+        print(f"relax: scale-out {op_id}: cancelled Slurm job {job_id}", flush=True)
+
+    def _note_ended(self) -> None:
+        """Scale-out jobs Slurm no longer runs (time limit, failure, cancelled by hand) are marked ended."""
+        from relax_core.launch.slurm import SLURM_STATES, scheduler_states
+
+        states = scheduler_states(list(self.jobs.values()))
+        for op_id, job_id in list(self.jobs.items()):
+            mapped = SLURM_STATES.get(str(states.get(job_id, "")).upper(), "ended")
+            if mapped not in ("pending", "running"):
+                self.jobs.pop(op_id)
+                self._mark_ended(op_id, f"Slurm job {job_id} {states.get(job_id, 'is gone')}".lower())
+
+    def _mark_ended(self, op_id: str, how: str) -> None:
+        path = self.folder / f"{op_id}.job.json"
+        _write(path, (_read(path) or {}) | {"ended": how})
+
+    def cancel_all(self) -> None:
+        for op_id in list(self.jobs):
+            self._cancel(op_id)
