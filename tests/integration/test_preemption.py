@@ -157,12 +157,14 @@ def test_a_stop_signal_mid_rollout_checkpoints_the_last_step_at_once_and_the_run
     assert state["state"] == "preempted" and state["checkpoint_step"] == 1
     assert logged_steps(run) == [1]  # the aborted step's samples were dropped, not trained on
     # The cursor of step 1's end, although step 2's rollout had already taken its prompts.
-    assert saved_progress(run) == {"step": 1, "data": {"cursor": PROMPTS_PER_STEP}, "policy_version": 1}
+    assert saved_progress(run) == {"step": 1, "data": {"cursor": PROMPTS_PER_STEP}, "policy_version": 1,
+                                   "engines_added": 0}
     assert "aborting the engines' requests" in (run / "logs" / "driver.log").read_text()
 
     resumed = subprocess.run(submit_args(mode), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "step 2/2" in resumed.stdout and "step 1/2" not in resumed.stdout  # continued at the dropped step
     assert logged_steps(run) == [1, 2]
-    assert saved_progress(run) == {"step": 2, "data": {"cursor": 2 * PROMPTS_PER_STEP}, "policy_version": 2}
+    assert saved_progress(run) == {"step": 2, "data": {"cursor": 2 * PROMPTS_PER_STEP}, "policy_version": 2,
+                                   "engines_added": 0}
     assert json.loads((run / "run.json").read_text())["state"] == "completed"

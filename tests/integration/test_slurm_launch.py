@@ -211,7 +211,8 @@ def test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes(slurm_c
     final = final_status(tmp_path, "runs/pre", 400, "the resumed job to finish")
     assert final["state"] == "completed", logs_of(run)
     assert [row["step"] for row in metrics(run)] == [1, 2]
-    assert saved_progress(run) == {"step": 2, "data": {"cursor": 2 * PROMPTS_PER_STEP}, "policy_version": 2}
+    assert saved_progress(run) == {"step": 2, "data": {"cursor": 2 * PROMPTS_PER_STEP}, "policy_version": 2,
+                                   "engines_added": 0}
     assert "at step 1" in (run / "logs" / "driver.log").read_text()  # "resumed from ... at step 1"
 
 
