@@ -42,6 +42,12 @@ TRAIN_RESOURCE, ROLLOUT_RESOURCE, REFERENCE_RESOURCE = "relax_train", "relax_rol
 JUDGE_RESOURCE = "relax_judge"  # judge-engine slots (`reward.genrm`), on the engines' group beside its engine slots
 
 
+def scale_resource(op_id: str) -> str:
+    """The resource the nodes of scale-out `op_id`'s job advertise, which only its engines ask for
+    (controller/elastic.py)."""
+    return f"relax_scale_{op_id}"
+
+
 def node_resource(name: str) -> str:
     """The custom resource that identifies one Slurm node in the Ray cluster."""
     return f"relax_node_{name}"
@@ -78,7 +84,6 @@ def node_resources(recipe: Recipe, group: str, name: str, scale_op: str | None =
     nodes = getattr(recipe.cluster, group)
     resources: dict[str, float] = {node_resource(name): 1}
     if scale_op is not None:  # a node of a scale-out job: engine slots, and the ones its engines ask for
-        from relax_core.controller.elastic import scale_resource
         from relax_core.launch.plan import engines_per_node
 
         slots = nodes.gpus_per_node or engines_per_node(recipe)

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_core.cluster.node import scale_resource
+
 log = logging.getLogger(__name__)
 
 WATCH_S = 0.25  # how often the watcher advances the operations
@@ -52,11 +54,6 @@ class ScaleError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
-
-
-def scale_resource(op_id: str) -> str:
-    """The Ray resource the nodes of scale-out `op_id`'s job advertise, which its engines ask for."""
-    return f"relax_scale_{op_id}"
 
 
 def _iso(ts: float) -> str:
@@ -256,7 +253,7 @@ class Elastic:
         self.ops.append(op)
         try:
             if source == "url":
-                engine = self._new_engine("external", op, url=op.url)
+                self._new_engine("external", op, url=op.url)
                 op.to("starting")
             elif source == "slurm":
                 nodes = math.ceil(delta / self.per_node)

@@ -195,23 +195,18 @@ class EngineSet:
             await self.router.remove_engine(url, drain=alive)
         actor = self.actors.pop(url)
         await asyncio.wrap_future(self.trainer0.set_engines.remote(self.urls, False).future())
-        if actor is not None:
-            await self.stop_actor(actor, alive)
-        log.info("engine %s removed", url)
-
-    async def stop_actor(self, actor, alive: bool = True) -> None:
-        """Stop an engine this run started (also one that never joined) and end its actor."""
-        if alive:
+        if actor is not None and alive:
             try:
                 await asyncio.wrap_future(actor.stop.remote().future())
             except Exception as exc:  # its node may be going away as well
-                log.warning("stopping an engine failed: %s", exc)
-        self._ray.kill(actor)
-        self._slot_of = {slot: a for slot, a in self._slot_of.items() if a is not actor}  # its GPUs are free
-        self._extra = [a for a in self._extra if a is not actor]
+                log.warning("stopping engine %s failed: %s", url, exc)
+        if actor is not None:
+            self.forget(actor)
+        log.info("engine %s removed", url)
 
     def forget(self, actor) -> None:
-        """End an engine that never joined (a cancelled or failed scale-out): its actor, and the slot."""
+        """End an engine actor this run started (removed, or never joined: a cancelled or failed
+        scale-out); its slot (its GPUs) is free again."""
         self._ray.kill(actor)
         self._slot_of = {slot: a for slot, a in self._slot_of.items() if a is not actor}
         self._extra = [a for a in self._extra if a is not actor]
