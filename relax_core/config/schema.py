@@ -229,9 +229,9 @@ class RolloutConfig(Section):
     """Processes beside the rollout manager that decode images, video and audio and run the model's
     processor (data with `image_key`, `video_key` or `audio_key`), so generation does not wait on them."""
     router: bool | None = None
-    """Put the engines behind one router (`sglang-router`, cache-aware: a group's samples stay on one
-    engine). Null: when there is more than one engine; without it the rollout manager spreads prompt
-    groups over the engines itself."""
+    """Put the engines behind one router (`sglang-router`: a group's samples stay on one engine, each
+    new group goes to the engine with the fewest requests in flight). Null: when there is more than one
+    engine; without it the rollout manager spreads prompt groups over the engines itself."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Extra server arguments of each SGLang engine, by SGLang's names (`mem_fraction_static: 0.7` ->
     `--mem-fraction-static 0.7`; true/false for on/off flags, a list for several values). Each key is checked

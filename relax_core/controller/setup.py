@@ -205,7 +205,7 @@ def sampling_config(recipe: Recipe):
         n_samples_per_prompt=ro.n_samples_per_prompt, max_new_tokens=ro.max_new_tokens,
         max_prompt_len=ro.max_prompt_len, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
         # Behind a router each request is one sample (the router takes one set of sampling parameters
-        # per request, and each sample has its own seed); its cache-aware policy keeps a prompt's
+        # per request, and each sample has its own seed); the group's routing key keeps a prompt's
         # samples on one engine, whose prefix cache then serves the whole group.
         max_request_batch=1 if ro.uses_router else ro.max_concurrency,
         seed=recipe.train.seed,

@@ -20,6 +20,9 @@ from typing import Any
 
 import httpx
 
+# sglang-router's header naming a request's routing key (its `manual` policy: one engine per key).
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+
 
 class EngineError(RuntimeError):
     """An engine answered with an error status or `success: false`."""
@@ -119,13 +122,17 @@ class EngineClient:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         return_logprob: bool = True,
         rid: str | list[str] | None = None,
+        routing_key: str | None = None,
         **extra: Any,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """POST /generate; a batch of prompts gives a list of results."""
+        """POST /generate; a batch of prompts gives a list of results. `routing_key`: behind a router,
+        requests with the same key go to the same engine (relax_core/rollout/router.py); an engine
+        ignores it."""
         body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         body.update({k: v for k, v in (("input_ids", input_ids), ("text", text), ("rid", rid)) if v is not None})
         body.update(extra)
-        return await self._post_json("/generate", body)
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
+        return await self._post_json("/generate", body, headers=headers)
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """End request `rid`, or every request the engine holds (`abort_all`); they answer with finish
@@ -273,8 +280,8 @@ class EngineClient:
             raise EngineError(self.base_url + path, response.status_code, _error_message(response))
         return response
 
-    async def _post_json(self, path: str, body: dict[str, Any]) -> Any:
-        return (await self._request("POST", path, json=body)).json()
+    async def _post_json(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
+        return (await self._request("POST", path, json=body, headers=headers)).json()
 
     async def _post_result(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         result = await self._post_json(path, body)

@@ -121,8 +121,9 @@ class RolloutManager:
                    "top_k": s.top_k, "sampling_seed": sample_seed(s.seed, step, index)} for _, index in chunk]
         if len(chunk) == 1:  # a single request: what a router accepts with per-sample parameters
             prompt = chunk[0][0]
+            # The group's key: a router sends all n samples of a prompt to one engine.
             raw = await client.generate(prompt.request_ids, sampling_params=params[0], return_logprob=True,
-                                        **prompt.media)
+                                        routing_key=f"{step}-{prompt.row_index}", **prompt.media)
         else:
             media = {name: [p.media.get(name, []) for p, _ in chunk]
                      for name in sorted({name for p, _ in chunk for name in p.media})}

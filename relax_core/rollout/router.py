@@ -20,12 +20,20 @@ Security, on a shared cluster:
   environment (`ROUTER_KEY_ENV`), never its command line, which other users
   can read in `ps`; `python -m relax_core.rollout.router` is that launcher.
 
-What the router keeps together: a batched `/generate` (a list of
-`input_ids` with ONE `sampling_params` dict) goes to one engine intact; a
-batch with a list of per-item `sampling_params` is refused by sglang-router
-0.3.2 (HTTP 422). Single requests sharing a prompt prefix stay on one engine
-under the `cache_aware` policy until the load gap between engines exceeds
-both `--balance-abs-threshold` (64) and `--balance-rel-threshold` (1.5x).
+What the router keeps together, and where a new group goes: the `manual`
+policy with a routing key. The rollout manager sends each sample as its own
+request (each has its own sampling seed, and sglang-router 0.3.2 refuses a
+batch with a list of per-item `sampling_params`: HTTP 422) and names its
+prompt group in the `x-smg-routing-key` header (`client.ROUTING_KEY_HEADER`). The router sends every
+request of a key to the engine it first chose for it, so a group's n samples
+share one engine's prefix cache; a key it has not seen goes to the engine
+with the fewest requests in flight (`--assignment-mode min_load`), so an
+engine added to a running job takes its share of the next groups at once. A
+request without a key goes to a random engine. (The `cache_aware` policy,
+the router's default, did neither: measured on two CPU engines with 16
+prompts the first engine had already served, 6 or 7 of 16 groups per step
+were split over both engines and the added one got 18 to 46 of 128
+requests; with routing keys no group was split and it got 56 to 80.)
 
 Drained: the router does not report a removed worker's in-flight requests,
 so `remove_engine` watches the engine itself: SGLang's `GET /v1/loads`
@@ -58,14 +66,10 @@ BIND_ATTEMPTS = 5  # fresh ports tried when another process took the picked ones
 PORT_TAKEN = "Address already in use"
 
 
-# cache_aware sends a request to the engine whose cache holds the longest prefix of it only when that
-# prefix is more than this share of the prompt, else to the engine with the least cached. The other
-# samples of a request's own group (the same prompt) match it entirely and follow it; any other prompt,
-# however much of it is chat template or system prompt, goes to the emptiest engine: groups stay whole
-# and spread over the engines, an added engine included. (At 0.9 a 2-character quick-start prompt is
-# 19 of 21 tokens template, so every such prompt stuck to the engine that had served longest and an
-# added engine could get nothing; the router's default, 0.3, is worse still.)
-CACHE_THRESHOLD = 0.99
+# How long the router remembers which engine a key went to after the key's last request: a group's
+# samples are all sent within its step; an hour keeps the table small on a long run.
+ROUTING_KEY_IDLE_S = 3600
+
 
 class RouterError(RuntimeError):
     """The router refused a command, died, or did not get ready in time."""
@@ -81,7 +85,6 @@ class Router:
             would fetch one from the Hugging Face hub.
         api_key: required from the router's clients and sent to the engines.
         log_path: the router's stdout/stderr.
-        policy: sglang-router's `--policy`.
         metrics_port: Prometheus port on `host` (default: a free one).
         log_level: sglang-router's `--log-level`.
     """
@@ -93,19 +96,16 @@ class Router:
         tokenizer_path: str,
         api_key: str,
         log_path: str,
-        policy: str = "cache_aware",
         *,
         metrics_port: int | None = None,
         log_level: str = "warn",
-        cache_threshold: float = CACHE_THRESHOLD,
     ) -> None:
         if not api_key:
             raise ValueError("the router needs an api_key: it must not accept commands from anyone")
-        self.host, self.policy = host, policy
+        self.host = host
         self.tokenizer_path, self.log_path, self.log_level = tokenizer_path, log_path, log_level
         self._given_ports = (port, metrics_port)
         self.port, self.metrics_port = port, metrics_port
-        self.cache_threshold = cache_threshold
         self._api_key = api_key
         self._proc: subprocess.Popen | None = None
         self._log_start = 0  # where the current start's output begins in the log
@@ -124,8 +124,9 @@ class Router:
         """The router's command line (without the key, which travels in the environment)."""
         return [
             sys.executable, "-m", "relax_core.rollout.router",
-            "--host", self.host, "--port", str(self.port), "--policy", self.policy,
-            "--tokenizer-path", self.tokenizer_path, "--cache-threshold", str(self.cache_threshold),
+            "--host", self.host, "--port", str(self.port),
+            "--policy", "manual", "--assignment-mode", "min_load", "--max-idle-secs", str(ROUTING_KEY_IDLE_S),
+            "--tokenizer-path", self.tokenizer_path,
             "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
             "--log-level", self.log_level,
             "--worker-urls", *worker_urls,

@@ -2,8 +2,9 @@
 
 What a user relies on: requests sent to the router's URL are answered and
 spread over the engines; the n samples of one prompt stay on one engine
-(batched, or as single requests under `cache_aware`); an added engine gets
-requests; removing an engine loses none of its in-flight requests and sends
+(batched, or as single requests with the group's routing key); an added
+engine gets its share of new groups at once, even of prompts the first engine
+has already served; removing an engine loses none of its in-flight requests and sends
 it nothing afterwards; nobody without the key can use or command the router,
 which listens on the given address only.
 
@@ -84,6 +85,12 @@ async def generate_many(url: str, bodies: list[dict]) -> list:
         return await asyncio.gather(*(client.generate(**b) for b in bodies), return_exceptions=True)
 
 
+async def generate_keyed(url: str, bodies: list[tuple[dict, str]]) -> list:
+    """Send every (body, routing key) concurrently to `url`; a result per body."""
+    async with EngineClient(url, api_key=API_KEY, timeout=120) as client:
+        return await asyncio.gather(*(client.generate(**b, routing_key=key) for b, key in bodies))
+
+
 def distinct_prompts(count: int, offset: int = 0) -> list[dict]:
     # Different first tokens, so no two prompts share a prefix.
     return [{"input_ids": [3 + (i + offset) % 40, 9, 14, 22 + i % 7], "sampling_params": SHORT} for i in range(count)]
@@ -125,13 +132,14 @@ def test_prompt_group_stays_on_one_engine(engines, make_router):
     assert [len(set(labels(b))) for b in batches] == [1] * 4, [labels(b) for b in batches]
     assert sum(served(before, finished(engines)).values()) == 24
 
-    # n single requests per group with their own seeds, all in flight together: cache_aware
-    # keeps each group on one engine.
-    singles = [{"input_ids": p, "sampling_params": {**SHORT, "sampling_seed": s}} for p in prompts for s in range(6)]
-    results = asyncio.run(generate_many(router.url, singles))
+    # n single requests per group with their own seeds, all in flight together, each naming its
+    # group's routing key (what the rollout manager sends): each group stays on one engine.
+    singles = [({"input_ids": p, "sampling_params": {**SHORT, "sampling_seed": s}}, f"g{g}")
+               for g, p in enumerate(prompts) for s in range(6)]
+    results = asyncio.run(generate_keyed(router.url, singles))
     by_group = collections.defaultdict(set)
-    for body, label in zip(singles, labels(results)):
-        by_group[tuple(body["input_ids"])].add(label)
+    for (_, key), label in zip(singles, labels(results)):
+        by_group[key].add(label)
     assert [len(v) for v in by_group.values()] == [1] * 4, dict(by_group)
 
 
@@ -148,18 +156,27 @@ def test_added_engine_receives_requests(engines, make_router):
     assert counts["b"] > 0 and counts["a"] + counts["b"] == 30, counts
 
 
-def test_prompts_that_share_a_chat_template_spread_to_an_added_engine(engines, make_router):
-    # A chat template makes most of a short prompt: 19 shared tokens, then 2 of the prompt's own.
+def test_an_added_engine_gets_half_the_groups_of_prompts_the_first_has_served(engines, make_router):
+    # What a run's later steps send: the same few prompts again (here sharing a chat template), 8 samples
+    # each, every group under a new key. The first engine's cache holds every one of them already.
     template = [7, 11, 13, 17, 19, 23, 29, 31, 37, 39, 4, 6, 8, 10, 12, 14, 16, 18, 20]
-    prompts = [{"input_ids": template + [3 + i % 30, 33 + i // 30], "sampling_params": SHORT} for i in range(31)]
+    prompts = [template + [3 + i, 33] for i in range(16)]
     router = make_router("a", engines=engines)
-    asyncio.run(generate_many(router.url, prompts[:1]))  # a's cache now holds the template
+    asyncio.run(generate_keyed(router.url, [({"input_ids": p, "sampling_params": SHORT}, f"warm{i}")
+                                            for i, p in enumerate(prompts)]))
     asyncio.run(router.add_engine(engines["b"].base_url))
 
-    before = finished(engines)
-    asyncio.run(generate_many(router.url, prompts[1:]))
-    counts = served(before, finished(engines))
-    assert counts["a"] + counts["b"] == 30 and counts["b"] >= 10, counts
+    for step in range(2):
+        before = finished(engines)
+        groups = [({"input_ids": p, "sampling_params": {**SHORT, "sampling_seed": s}}, f"{step}-{i}")
+                  for i, p in enumerate(prompts) for s in range(8)]
+        results = asyncio.run(generate_keyed(router.url, groups))
+        counts = served(before, finished(engines))
+        assert counts["a"] + counts["b"] == 128 and 40 <= counts["b"] <= 88, counts
+        by_group = collections.defaultdict(set)
+        for (_, key), label in zip(groups, labels(results)):
+            by_group[key].add(label)
+        assert all(len(v) == 1 for v in by_group.values()), dict(by_group)
 
 
 def test_remove_engine_drains_in_flight_requests(engines, make_router):

@@ -103,12 +103,15 @@ ROUTES = routes()
 # ------------------------------------------------------------------ recording server
 class Recorder(BaseHTTPRequestHandler):
     calls: list[tuple[str, str, object]] = []
+    routing_keys: list[str | None] = []  # each /generate's router routing key header
 
     def _answer(self, method: str) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = json.loads(self.rfile.read(length)) if length else None
         path = urlsplit(self.path).path
         Recorder.calls.append((method, path, body))
+        if path == "/generate":
+            Recorder.routing_keys.append(self.headers.get(client_module.ROUTING_KEY_HEADER))
         if path == "/generate":
             batch = isinstance(body["input_ids"][0], list) if body.get("input_ids") else False
             item = {"text": "ab", "output_ids": [5], "meta_info": {
@@ -136,7 +139,7 @@ class Recorder(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def recorder():
-    Recorder.calls = []
+    Recorder.calls, Recorder.routing_keys = [], []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -209,6 +212,28 @@ def test_the_sampling_parameters_of_a_rollout_are_sglangs(recorder, tmp_path):
     (body,) = [body for _, path, body in Recorder.calls if path == "/generate"]
     assert set(body) <= IO["GenerateReqInput"]
     assert {key for params in body["sampling_params"] for key in params} <= SAMPLING
+
+
+def test_behind_a_router_each_sample_is_a_request_naming_its_group(recorder, tmp_path):
+    """One request per sample (its own seed), and one routing key per prompt group and step, so the router
+    keeps a group on one engine and sends each new group where it fits (relax_core/rollout/router.py)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny.materialize_tiny_model(tmp_path / "m", alphabet="abcd"))
+    sampling = SamplingConfig(n_samples_per_prompt=3, max_new_tokens=1, max_prompt_len=64, max_request_batch=1)
+    rows = [{"prompt": "ab", "label": "ab"}, {"prompt": "ba", "label": "ba"}]
+
+    async def rollout():
+        async with EngineClient(recorder) as c:
+            manager = RolloutManager([c], tokenizer, sampling, lambda response, label, metadata: 1.0)
+            return await manager.generate(rows, step=0) + await manager.generate(rows, step=1)
+
+    samples = asyncio.run(rollout())
+    bodies = [body for _, path, body in Recorder.calls if path == "/generate"]
+    assert len(bodies) == len(samples) == 12 and all(isinstance(b["sampling_params"], dict) for b in bodies)
+    groups: dict[str, set] = {}
+    for body, key in zip(bodies, Recorder.routing_keys):
+        groups.setdefault(key, set()).add(tuple(body["input_ids"]))
+    assert len(groups) == 4 and all(len(prompts) == 1 for prompts in groups.values()), groups
+    assert sorted(Recorder.routing_keys.count(key) for key in groups) == [3] * 4
 
 
 def test_without_the_chat_template_the_engine_gets_the_prompts_own_tokens(recorder, tmp_path):
