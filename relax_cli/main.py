@@ -14,6 +14,7 @@ from relax_cli import (
     doctor,
     listing,
     logs,
+    plot,
     recipes,
     reward,
     scale_rollout,
@@ -32,6 +33,7 @@ app = typer.Typer(
 app.command("submit")(submit.submit)
 app.command("status")(status.status)
 app.command("logs")(logs.logs)
+app.command("plot")(plot.plot)
 app.command("cancel")(cancel.cancel)
 # "-1" is a change, not an option: unknown options reach the arguments
 app.command("scale-rollout", context_settings={"ignore_unknown_options": True})(scale_rollout.scale_rollout)
