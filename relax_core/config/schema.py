@@ -515,13 +515,45 @@ class CheckpointConfig(Section):
     """Resume from the latest checkpoint of the run directory when there is one."""
 
 
+class WandbConfig(Section):
+    """Weights & Biases (`logging.backends: [wandb]`)."""
+
+    project: str | None = None
+    """The W&B project (default: the recipe's name)."""
+
+
 class LoggingConfig(Section):
     """Where runs and metrics go."""
 
     run_root: str = "runs"
     """Folder under which each run gets its own directory."""
-    tensorboard: bool = True
-    """Write TensorBoard event files."""
+    backends: list[Literal["tensorboard", "wandb", "clearml", "jsonl"]] = Field(
+        default_factory=lambda: ["tensorboard"])
+    """Where each step's metrics go besides `metrics.jsonl`, which is always written (`jsonl` may be
+    listed; `[]` or `[jsonl]`: nothing else). `tensorboard`: event files in RUN/tensorboard. `wandb`:
+    a W&B run in RUN/wandb, offline unless `WANDB_MODE=online` is in the driver's environment (upload it
+    later with `wandb sync RUN/wandb/offline-run-*`); its id is kept in RUN/wandb_run_id, so a resumed or
+    requeued run continues the same W&B run. Each is imported only when listed."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """W&B settings (read when `backends` lists wandb)."""
+
+    @field_validator("backends")
+    @classmethod
+    def _each_once(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed more than once")
+        return value
+
+    @model_validator(mode="after")
+    def _wandb_settings_need_wandb(self) -> LoggingConfig:
+        if self.wandb != WandbConfig() and "wandb" not in self.backends:  # a setting nothing would read
+            raise ValueError("logging.wandb is set but logging.backends does not list wandb: add wandb to "
+                             "logging.backends, or drop logging.wandb")
+        return self
+
+    def uses(self, backend: str) -> bool:
+        return backend in self.backends
 
 
 # -------------------------------------------------------------------- recipe

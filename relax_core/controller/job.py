@@ -66,11 +66,19 @@ class Job:
         self._media = None  # the media workers of the rollout managers this process makes (prompt_prep.py)
         try:
             self._start_processes()
-            self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.tensorboard else None,
-                                          recipe.train.steps, console)
+            self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.uses("tensorboard") else None,
+                                          recipe.train.steps, console, wandb=self._wandb_run())
         except BaseException:
             self.close()  # a failed set-up stops what it already started before the error propagates
             raise
+
+    def _wandb_run(self):
+        if not self.recipe.logging.uses("wandb"):
+            return None
+        from relax_core.metrics.wandb_run import WandbRun
+
+        project = self.recipe.logging.wandb.project or self.recipe.name
+        return WandbRun(self.run.path, project, self.recipe.model_dump(mode="json"))
 
     # ------------------------------------------------------------ start-up
     def _start_processes(self) -> None:
@@ -91,8 +99,10 @@ class Job:
             from relax_core.models.tokenizer import load_tokenizer
 
             self._tokenizer_load = _in_thread(load_tokenizer, self.model_dir, setup.trust_remote_code(self.recipe))
-        if self.recipe.logging.tensorboard:  # the first step's log line would wait for torch's import
-            _in_thread(importlib.import_module, "torch.utils.tensorboard")
+        # The first step's log line would wait for these imports (torch's TensorBoard: 2 s).
+        for backend, module in (("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")):
+            if self.recipe.logging.uses(backend):
+                _in_thread(importlib.import_module, module)
         trainers_ready = self._setup_trainers()
         if self.recipe.mode != "colocate":
             self._start_services()

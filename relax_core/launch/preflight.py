@@ -11,6 +11,7 @@ problem is a `RecipeError` (exit code 2) that says what to change.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -207,6 +208,12 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     problems = _engine_problems(recipe) + _media_model_problems(recipe)
     if recipe.train.backend == "megatron":
         problems += _megatron_problems(recipe)
+    if recipe.logging.uses("clearml"):
+        problems.append(f"logging.backends: clearml {_NOT_YET}; use wandb (offline works without a network) "
+                        "or tensorboard")
+    if recipe.logging.uses("wandb") and importlib.util.find_spec("wandb") is None:
+        problems.append("logging.backends: wandb is not installed here: pip install 'relax-rl[wandb]' "
+                        "(-e '.[wandb]' in a checkout), or drop it from the list")
     if recipe.cluster.reference.gpus_per_node:
         problems.append(f"cluster.reference.gpus_per_node: the reference service on GPUs {_NOT_YET} (it runs "
                         "on CPU); set it to 0, or leave cluster.reference out to compute the reference "

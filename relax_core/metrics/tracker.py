@@ -1,8 +1,9 @@
-"""Per-step metrics: `metrics.jsonl`, TensorBoard, and the console progress line.
+"""Per-step metrics: `metrics.jsonl`, TensorBoard, W&B, and the console progress line.
 
 The controller calls `log(step, metrics)` once per training step. The JSONL
-file is the source of truth (`relax status` reads it); TensorBoard gets every
-numeric value; the console gets one line per step.
+file is the source of truth (`relax status` and `relax plot` read it);
+TensorBoard and W&B (`wandb_run.py`) get every numeric value; the console
+gets one line per step.
 
 A resumed run redoes the steps after its checkpoint, so `resume_from(K)` first
 drops what the interrupted attempt logged past step K: metrics.jsonl is
@@ -36,8 +37,11 @@ PROGRESS_FIELDS = (
 
 
 class MetricsTracker:
-    def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, total_steps: int, console=None):
+    def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, total_steps: int, console=None,
+                 wandb=None):
+        """`wandb`: a `wandb_run.WandbRun`, or None."""
         self.metrics_file = metrics_file
+        self.wandb = wandb
         self.tensorboard_dir = tensorboard_dir
         self.total_steps = total_steps
         self.console = console
@@ -63,6 +67,8 @@ class MetricsTracker:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     writer.add_scalar(key, value, step)
             writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(step, metrics)
         line = progress_line(row, self.total_steps)
         log.info(line)
         if self.console is not None:
@@ -79,6 +85,8 @@ class MetricsTracker:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def _step_of(line: str) -> float:

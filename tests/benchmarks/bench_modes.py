@@ -51,7 +51,7 @@ WORKLOAD = [
     f"train.steps={STEPS}", "model.hidden_size=128", "model.num_layers=4", "rollout.prompts_per_step=16",
     "rollout.n_samples_per_prompt=8", "rollout.max_new_tokens=16", "data.min_len=4", "data.max_len=12",
     "train.micro_batch_size=32", "rollout.max_staleness=2", "checkpoint.interval=1000",
-    "logging.tensorboard=false", "algorithm.kl.coef=0.01",
+    "logging.backends=[]", "algorithm.kl.coef=0.01",
 ]
 
 

@@ -28,7 +28,7 @@ from relax_core.launch.rundir import new_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
-SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "logging.tensorboard=false",
+SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "logging.backends=[]",
          "checkpoint.interval=100"]
 
 

@@ -31,7 +31,7 @@ from test_slurm_launch import wait_for
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 ENV = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-ELASTIC_RUN = ["mode=fully_async", "rollout.router=true", "rollout.max_staleness=1", "logging.tensorboard=false"]
+ELASTIC_RUN = ["mode=fully_async", "rollout.router=true", "rollout.max_staleness=1", "logging.backends=[]"]
 
 
 def relax(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:

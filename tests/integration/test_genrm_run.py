@@ -43,7 +43,7 @@ def test_a_run_judged_by_the_judge_relax_starts_and_stops(tmp_path: Path, mode: 
              "template": "grade {response} vs {label}, score 7"}
     raw = QUICKSTART | {"reward": {"name": "genrm", "timeout_s": 120, "max_error_frac": 1.0, "genrm": genrm},
                         "train": QUICKSTART["train"] | {"steps": STEPS}, "rollout": QUICKSTART["rollout"] | ROLLOUT,
-                        "logging": {"tensorboard": False}, "mode": mode}
+                        "logging": {"backends": []}, "mode": mode}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(raw))
     proc = relax("submit", "recipe.yaml", "--executor", "local", "--run-dir", "run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -48,7 +48,7 @@ def running_job(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("sockets")
     env = mark_env()
     prefix = ["unshare", "--net", "bash", "-c", f'{WITH_AN_INTERFACE} && exec "$@"', "_"]
-    driver = start_quickstart(cwd, env, "rollout.num_engines=2", "train.steps=400", "logging.tensorboard=false",
+    driver = start_quickstart(cwd, env, "rollout.num_engines=2", "train.steps=400", "logging.backends=[]",
                               prefix=prefix)
     processes: dict[int, str] = {}
     try:

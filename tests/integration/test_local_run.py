@@ -124,7 +124,7 @@ def test_convert_ckpt_refuses_damaged_or_missing_checkpoints(quickstart_run, tmp
 
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "checkpoint.interval=2",
-         "checkpoint.keep_last=5", "logging.tensorboard=false"]
+         "checkpoint.keep_last=5", "logging.backends=[]"]
 
 
 def final_weights(run: Path, tmp: Path, iteration: int) -> dict[str, torch.Tensor]:

@@ -217,7 +217,7 @@ print(json.dumps({{"changed": changed, "tensors": len(before)}}))
 
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "checkpoint.interval=2",
-         "checkpoint.keep_last=5", "logging.tensorboard=false"]
+         "checkpoint.keep_last=5", "logging.backends=[]"]
 
 
 def test_a_resumed_megatron_run_is_bit_identical(tmp_path):

@@ -37,7 +37,7 @@ def test_a_run_uses_the_named_tokenizer_and_trusts_the_models_code(tmp_path):
              "tokenizer": str(other_tokenizer(tmp_path / "tok")), "trust_remote_code": True}
     recipe = QUICKSTART | {"model": model, "train": QUICKSTART["train"] | {"steps": 1},
                            "rollout": QUICKSTART["rollout"] | {"prompts_per_step": 2, "n_samples_per_prompt": 2},
-                           "checkpoint": {"interval": 1}, "logging": {"tensorboard": False}}
+                           "checkpoint": {"interval": 1}, "logging": {"backends": []}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     proc = relax("submit", "r.yaml", "--executor", "local", "--run-dir", "run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

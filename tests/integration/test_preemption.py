@@ -35,7 +35,7 @@ LONG_STEPS = ["train.steps=2", "checkpoint.interval=1000", f"rollout.prompts_per
               "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=440", "rollout.temperature=0.0",
               "rollout.max_concurrency=2",
               "model.hidden_size=128", "model.num_layers=4", "model.alphabet=abcdefghijklmnopqrstuvwxyz",
-              "logging.tensorboard=false"]
+              "logging.backends=[]"]
 CHECKPOINT_WITHIN_S = 5.0  # from the signal to the checkpoint of the last completed step on disk
 EXIT_WITHIN_S = 120.0  # then everything the run started is stopped (engines, trainers, Ray)
 ENV = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}

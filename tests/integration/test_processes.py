@@ -37,7 +37,7 @@ def test_a_failed_set_up_stops_what_it_started(local_ray, tmp_path, one_torch_th
     before = ray.available_resources()
     teacher = damaged_model(tmp_path / "teacher")
     recipe = load_recipe(QUICKSTART, ["rollout.num_engines=2", "algorithm.name=opd",
-                                      f"algorithm.teacher.path={teacher}", "logging.tensorboard=false"])
+                                      f"algorithm.teacher.path={teacher}", "logging.backends=[]"])
     run = new_run_dir(tmp_path, "run").create()
     started = _engines_of(run)
     with pytest.raises(Exception) as failure:

@@ -258,7 +258,7 @@ def test_the_slurm_batch_step_refuses_a_run_another_driver_holds(tmp_path):
 
 # One training node and one rollout node, as tests/integration/test_slurm_launch.py runs the quick start.
 ON_TWO_NODES = ["cluster.rollout.nodes=1", "cluster.rollout.cpus_per_node=2", "cluster.network.interface=lo",
-                "logging.tensorboard=false"]
+                "logging.backends=[]"]
 
 
 def test_submit_refuses_a_run_whose_slurm_job_is_still_pending(slurm_cluster, tmp_path):

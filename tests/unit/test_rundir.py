@@ -55,10 +55,10 @@ def resolved(*overrides: str) -> dict:
 
 def test_resume_accepts_the_safe_changes_and_reports_them():
     found = check_same_run(resolved(), resolved("train.steps=300", "checkpoint.interval=10", "checkpoint.keep_last=4",
-                                                "logging.tensorboard=false", "cluster.slurm.time=01:00:00"), "r")
+                                                "logging.backends=[]", "cluster.slurm.time=01:00:00"), "r")
     assert {field: (old, new) for field, old, new in found} == {
         "train.steps": (150, 300), "checkpoint.interval": (50, 10), "checkpoint.keep_last": (2, 4),
-        "logging.tensorboard": (True, False), "cluster.slurm.time": ("04:00:00", "01:00:00")}
+        "logging.backends": (["tensorboard"], []), "cluster.slurm.time": ("04:00:00", "01:00:00")}
 
 
 @pytest.mark.parametrize("override", [
@@ -91,7 +91,7 @@ def test_a_field_an_older_recipe_yaml_lacks_counts_as_its_default():
 
 
 def test_the_fingerprint_ignores_safe_fields_only():
-    assert fingerprint(resolved()) == fingerprint(resolved("train.steps=7", "logging.tensorboard=false"))
+    assert fingerprint(resolved()) == fingerprint(resolved("train.steps=7", "logging.backends=[]"))
     assert fingerprint(resolved()) != fingerprint(resolved("train.seed=1"))
 
 
