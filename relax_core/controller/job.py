@@ -75,10 +75,10 @@ class Job:
     def _wandb_run(self):
         if not self.recipe.logging.uses("wandb"):
             return None
-        from relax_core.metrics.wandb_run import WandbRun
+        from relax_core.metrics.wandb_run import WandbRun, wandb_config
 
         project = self.recipe.logging.wandb.project or self.recipe.name
-        return WandbRun(self.run.path, project, self.recipe.model_dump(mode="json"))
+        return WandbRun(self.run.path, project, wandb_config(self.recipe.model_dump(mode="json")))
 
     # ------------------------------------------------------------ start-up
     def _start_processes(self) -> None:

@@ -2,7 +2,8 @@
 
 A quick start with `logging.backends: [jsonl, wandb]` writes an offline W&B run
 under RUN/wandb whose every step holds the metrics of metrics.jsonl, in the
-project the recipe names, and no TensorBoard files (not listed); resumed, it
+project the recipe names, with the recipe as its config but no environment
+variable's value, and no TensorBoard files (not listed); resumed, it
 continues the same W&B run id. The run's records are read from the file wandb
 wrote (tests/wandb_records.py), and no wandb process outlives the run.
 """
@@ -21,7 +22,7 @@ from test_local_run import QUICKSTART, relax  # noqa: E402
 from wandb_records import history, run_info  # noqa: E402
 
 WANDB = ["logging.backends=[jsonl,wandb]", "logging.wandb.project=relax-test", "rollout.prompts_per_step=4",
-         "rollout.n_samples_per_prompt=4", "checkpoint.interval=2"]
+         "rollout.n_samples_per_prompt=4", "checkpoint.interval=2", "cluster.train.env={RELAX_TEST_TOKEN: hunter2}"]
 
 
 def wandb_processes() -> set[int]:
@@ -55,4 +56,6 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(tmp_pat
     for mine, theirs in zip(jsonl, logged):
         assert theirs["reward_mean"] == pytest.approx(mine["reward_mean"])
         assert theirs["train_s"] == pytest.approx(mine["train_s"])
+    # The recipe is the run's config, without the values of environment variables (tokens, often).
+    assert all(b"RELAX_TEST_TOKEN" in f.read_bytes() and b"hunter2" not in f.read_bytes() for f in files)
     assert wandb_processes() <= before  # wandb's service ended with the run
