@@ -515,6 +515,18 @@ class CheckpointConfig(Section):
     """Resume from the latest checkpoint of the run directory when there is one."""
 
 
+class RecoveryConfig(Section):
+    """What a run does when one of its processes fails (controller/recovery.py)."""
+
+    health_timeout_s: float = Field(60.0, gt=0.0)
+    """Every engine must answer /health within this while the run generates; one that does not (hung,
+    stopped) is ended and replaced. An engine that dies is replaced as soon as a request to it fails;
+    either way its lost requests are sent again, so no sample is lost or trained twice."""
+    max_engine_restarts: int = Field(3, ge=0)
+    """Replacements of one engine within an hour; its next failure ends the run, naming the engine and
+    its log (0: any engine failure ends the run)."""
+
+
 class WandbConfig(Section):
     """Weights & Biases (`logging.backends: [wandb]`)."""
 
@@ -581,6 +593,8 @@ class Recipe(Section):
     """Nodes, Slurm, container."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpoints."""
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
+    """Health checks and the replacement of failed processes."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Run directory and metrics."""
 

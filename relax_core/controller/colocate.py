@@ -45,6 +45,7 @@ def train_colocate(job: Job) -> str:
             samples, rollout_s = timed(job.rollout, step)
         except Preempted:
             return job.stop_here()
+        check_distinct(step, samples)
         train_metrics, train_s = timed(train_step, job, samples)
         sync_stats, sync_s = timed(sync_weights, job, step)
         job.log(step, step_metrics(samples, rollout_s, train_s, sync_s, job.policy_version)
@@ -55,6 +56,15 @@ def train_colocate(job: Job) -> str:
         if job.stop.is_set() and step < total:
             return job.stop_here()
     return "completed"
+
+
+def check_distinct(step: int, samples: list[Sample]) -> None:
+    """No sample is trained on twice: a request sent again after its engine failed (recovery.py) must
+    have replaced its first answer, not joined it."""
+    ids = [s.sample_id for s in samples]
+    if len(set(ids)) != len(ids):
+        raise RuntimeError(f"step {step}: {len(ids)} samples but {len(set(ids))} distinct sample ids: a sample "
+                           "would be trained on twice")
 
 
 def shares_gpus(recipe: Recipe) -> bool:

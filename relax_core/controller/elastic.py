@@ -74,10 +74,12 @@ class Engine:
     ready_ref: Any = None
     failed_checks: int = 0
     retiring: bool = False  # its scale-out job is ending: removed (drained) at the next safe point
+    restarts: int = 0  # times it died or hung and was replaced (controller/recovery.py)
+    pid: int | None = None  # its server's process id (None: an engine someone else started)
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "url": self.url, "node": self.node, "origin": self.origin, "state": self.state,
-                "op": self.op}
+                "op": self.op, "restarts": self.restarts, "pid": self.pid}
 
 
 @dataclass
@@ -133,9 +135,10 @@ class Elastic:
         self._on_change = on_change  # called (with the lock held) whenever engines or operations change
         self._lock = threading.RLock()
         self.engines: dict[str, Engine] = {}
-        for url in self.set.urls:
+        pids = _pids([self.set.actors[url] for url in self.set.urls])
+        for url, pid in zip(self.set.urls, pids):
             index = len(self.engines)
-            self.engines[f"e{index}"] = Engine(f"e{index}", "original", url=url)
+            self.engines[f"e{index}"] = Engine(f"e{index}", "original", url=url, pid=pid)
         self._engine_ids = itertools.count(len(self.engines))
         self.ops: list[ScaleOp] = []
         self._op_ids = itertools.count(1)
@@ -179,6 +182,35 @@ class Elastic:
                                           or (op.kind == "in" and op.state == "pending"))
             return waiting or any(e.state == "lost" or (e.retiring and e.state == "active")
                                   for e in self.engines.values())
+
+    # ------------------------------------------------------------ recovery
+    def record_of(self, url: str) -> Engine | None:
+        """The engine serving at `url`."""
+        with self._lock:
+            serving = (e for e in self.engines.values() if e.url == url and e.state not in ("stopped", "failed"))
+            return next(serving, None)
+
+    def set_state(self, url: str, state: str) -> None:
+        with self._lock:
+            record = self.record_of(url)
+            if record is not None:
+                record.state = state
+                self._changed()
+
+    def spawn_options(self, engine: Engine) -> dict[str, Any] | None:
+        """Where a replacement of `engine` starts: its scale-out job's nodes (Slurm), else a free slot."""
+        op = next((op for op in self.ops if op.id == engine.op), None)
+        return self._slurm_options(op.id) if op is not None and op.source == "slurm" else None
+
+    def replaced(self, engine: Engine, url: str, actor, node: str | None) -> None:
+        """`engine` serves again, from a new process at `url` (recovery.py replaced it)."""
+        with self._lock:
+            engine.url, engine.node, engine.state = url, node, "active"
+            engine.pid = _pids([actor])[0]
+            engine.actor = actor if engine.origin == "added" else engine.actor
+            engine.restarts += 1
+            engine.failed_checks = 0
+            self._changed()
 
     # ------------------------------------------------------------ requests
     def request(self, delta: int | None = None, target: int | None = None, url: str | None = None,
@@ -370,6 +402,7 @@ class Elastic:
                 try:
                     engine.url = ray.get(engine.ready_ref)
                     engine.node = ray.get(engine.actor.where.remote(), timeout=30)
+                    engine.pid = _pids([engine.actor])[0]
                 except Exception as exc:
                     self._fail(op, f"engine {engine.id} did not start: {type(exc).__name__}: {exc}")
                     return
@@ -563,6 +596,15 @@ class Elastic:
             for op in self.ops:
                 if op.kind == "out" and op.source == "slurm" and self.scale_jobs is not None:
                     self.scale_jobs.cancel(op.id)
+
+
+def _pids(actors: list) -> list[int | None]:
+    """The engine servers' process ids (None for an engine this run did not start)."""
+    import ray
+
+    started = [a for a in actors if a is not None]
+    pids = iter(ray.get([a.pid.remote() for a in started], timeout=30) if started else [])
+    return [next(pids) if a is not None else None for a in actors]
 
 
 def _host_of(url: str) -> str:

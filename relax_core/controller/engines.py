@@ -72,6 +72,7 @@ class EngineSet:
         self._next_index = 0
         self._launched: list = []
         self._extra: list = []  # engines started during the run (joined or not yet)
+        self._logs: list[tuple[Any, str]] = []  # (engine actor, its log file)
 
     # ------------------------------------------------------------ start-up
     def launch(self, count: int) -> list:
@@ -90,13 +91,29 @@ class EngineSet:
         self._next_index += 1
         # Two threads: where it runs (`node_id`, to place the rollout service beside it) is answered
         # while `wait_ready` still waits for the server.
+        log_path = f"{s.log_dir}/engine-{index}.log"
         actor = self._ray.remote(max_concurrency=2)(EngineWorker).options(**options).remote(
-            index, s.model_dir, f"{s.log_dir}/engine-{index}.log", s.api_key, s.threads, s.seed,
+            index, s.model_dir, log_path, s.api_key, s.threads, s.seed,
             s.max_running_requests, s.cpus, s.trust_remote_code, engine=s.engine, engine_args=s.engine_args,
             tp_size=max(s.gpus, 1), gpus=gpus, video=s.video)
         if slot is not None:
             self._slot_of[slot] = actor
+        self._logs.append((actor, log_path))
         return actor
+
+    def log_of(self, url: str) -> str | None:
+        """The log file of the engine at `url` (None: one this run did not start)."""
+        actor = self.actors.get(url)
+        return next((path for a, path in self._logs if actor is not None and a is actor), None)
+
+    def kill(self, url: str) -> bool:
+        """End the engine at `url` at once (it hangs: its requests then fail); True if this run started it.
+        It stays in the set until `remove(url, alive=False)`."""
+        actor = self.actors.get(url)
+        if actor is None:
+            return False
+        self._ray.kill(actor)
+        return True
 
     def _free_slot(self) -> int:
         """The lowest slot no engine holds: its GPUs (gpu_slots.py); CPU engines have as many as they need."""

@@ -58,6 +58,7 @@ class Job:
         self._ray = ray
         self.engines = None
         self.elastic = None  # scale operations (elastic.py), once the engines are up
+        self.recovery = None  # engines that die or hang are replaced (recovery.py), once they are up
         self.api = None  # the control API (api.py)
         self.slots = None  # controller/gpu_slots.py: what each trainer rank and engine asks Ray for
         self.bus = None  # TransferQueue (asynchronous modes)
@@ -121,6 +122,7 @@ class Job:
         """The scale operations (elastic.py) and the control API that takes them (api.py)."""
         from relax_core.controller.api import ControlApi
         from relax_core.controller.elastic import Elastic
+        from relax_core.controller.recovery import EngineRecovery
         from relax_core.controller.workers import node_ip
         from relax_core.launch.plan import engines_per_node, local_engine_capacity
         from relax_core.launch.scale_jobs import ScaleJobRequests
@@ -133,6 +135,8 @@ class Job:
                                scale_jobs=ScaleJobRequests(self.run) if slurm else None,
                                on_change=lambda: self.run.update_state(**self.elastic.snapshot()))
         self.run.update_state(**self.elastic.snapshot())
+        self.recovery = EngineRecovery(self, self.recipe.recovery.health_timeout_s,
+                                       self.recipe.recovery.max_engine_restarts)
         self.api = ControlApi.start(self.run, self.elastic, node_ip(), self.api_status)
 
     def api_status(self) -> dict[str, Any]:
@@ -253,7 +257,7 @@ class Job:
         if self._media is None:
             self._media = setup.media_prompts(self.recipe, self.model_dir)
         return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system, self._media,
-                              self.recipe.data.apply_chat_template)
+                              self.recipe.data.apply_chat_template, recovery=self.recovery)
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:
@@ -298,7 +302,13 @@ class Job:
         if self.engines.hands_over:  # engines on the trainer ranks' GPUs: every rank hands its part over
             stats = self._ray.get([t.hand_over_weights.remote(version) for t in self.trainers])[0]
         else:
-            stats = self._ray.get(self.trainers[0].sync_weights.remote(version))
+            try:
+                stats = self._ray.get(self.trainers[0].sync_weights.remote(version))
+            except Exception as exc:  # an engine died: replaced, it and the others get these weights then
+                if self.recovery is None:
+                    raise
+                self.loop.run_until_complete(self.recovery.recover(exc))
+                stats = {"sync_version": float(version if version is not None else self.policy_version)}
         self.policy_version = int(stats.get("sync_version", version or 0))
         return stats
 

@@ -445,6 +445,10 @@ class EngineWorker:
 
         return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
+    def pid(self) -> int:
+        """The engine server's process id (what `relax status` shows, and an operator may signal)."""
+        return self.server.proc.pid
+
     def wait_ready(self, timeout_s: float | None = None) -> str:
         """The engine's URL once it is healthy (`timeout_s`: default, the engine kind's own limit)."""
         return self.server.wait_ready(timeout_s or self.ready_timeout_s)

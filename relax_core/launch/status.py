@@ -67,6 +67,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         # each engine's weight version and load
         "engines": state.get("engines") if status in ("running", "requeued") else None,
         "scale": state.get("scale"),
+        "engine_restarts": len(state.get("engine_restarts") or []),
     }
 
 

@@ -21,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from relax_core.data.prompts import encode_prompt
 from relax_core.rewards.hub import RewardHub, RewardItem, empty_stats
-from relax_core.rollout.client import EngineClient, GenerationAborted, parse_generate_output
+from relax_core.rollout.client import EngineClient, EngineError, GenerationAborted, parse_generate_output
 from relax_core.rollout.prompt_prep import MediaPrompts, Prompt, Skipped
 from relax_core.rollout.types import Sample
 
@@ -42,6 +44,7 @@ class SamplingConfig:
     seed: int = 0
 
 
+MAX_RECOVERIES = 3  # engine replacements within one generation round before the step fails
 GROUP_STRIDE = 1_000_000  # group id = step key * GROUP_STRIDE + prompt row: unique over a run
 
 
@@ -53,34 +56,36 @@ def sample_seed(seed: int, step: int, index: int) -> int:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], tokenizer, sampling: SamplingConfig,
                  reward_fn: RewardHub | Callable[[str, Any, dict], float], system_prompt: str | None = None,
-                 media: MediaPrompts | None = None, chat_template: bool = True):
+                 media: MediaPrompts | None = None, chat_template: bool = True, recovery=None):
         """`reward_fn`: a `RewardHub` (worker pool, time limits, per-sample routing), or a plain
         function, which is wrapped in a hub that calls it in-process. `media`: prepares the rows that
         carry images, video or audio (rollout/prompt_prep.py); without it rows are text. `chat_template`:
-        `data.apply_chat_template` (false: a text prompt's own tokens)."""
+        `data.apply_chat_template` (false: a text prompt's own tokens). `recovery`: replaces engines that die or
+        hang during a step (controller/recovery.py's `EngineRecovery`: `check_every_s`, `check()`,
+        `recover(error)` -> the new clients); None: an engine's failure ends the step with its error."""
         self.clients, self.tokenizer, self.sampling = clients, tokenizer, sampling
         self.reward_hub = reward_fn if isinstance(reward_fn, RewardHub) else RewardHub.from_function(reward_fn)
         self.system_prompt, self.chat_template = system_prompt, chat_template
         self.media = media
         self.dropped_prompts = 0
+        self.resent = 0  # samples sent again after their engine was replaced (so far in the run)
+        self.recovery = recovery
         self.last_reward_stats: dict[str, float] = empty_stats()
 
     async def generate(self, rows: list[dict[str, Any]], step: int) -> list[Sample]:
         """Responses to `rows` (dicts with prompt, label, metadata), scored."""
         prompts = await self._encode(rows)
-        per_engine: list[list[Prompt]] = [[] for _ in self.clients]
-        for position, prompt in enumerate(prompts):
-            per_engine[position % len(self.clients)].append(prompt)
-        groups = await asyncio.gather(*(self._on_engine(c, items, step) for c, items in zip(self.clients, per_engine)))
-        raise_if_aborted(groups)
-        by_row = dict(pair for group in groups for pair in group)
+        outputs = await self._generate(prompts, step)
+        raise_if_aborted(list(outputs.values()))
+        n = self.sampling.n_samples_per_prompt
         built: list[tuple[Sample, str, str | None]] = []
         for prompt in prompts:
             row_index = prompt.row_index
-            built += self._samples(by_row[row_index], rows[row_index], prompt,
-                                   group_id=step * GROUP_STRIDE + row_index)
+            responses = [outputs[row_index * n + k] for k in range(n)]
+            built += self._samples(responses, rows[row_index], prompt, group_id=step * GROUP_STRIDE + row_index)
         await self._score(built)
         self.last_reward_stats["prompts_skipped"] = float(self.dropped_prompts)  # so far in the run
+        self.last_reward_stats["samples_resent"] = float(self.resent)  # so far in the run
         return [sample for sample, _, _ in built]
 
     async def _encode(self, rows: list[dict[str, Any]]) -> list[Prompt]:
@@ -102,18 +107,54 @@ class RolloutManager:
                 kept.append(item)
         return kept
 
-    async def _on_engine(self, client: EngineClient, items: list[Prompt], step: int):
-        """Generate n responses for each prompt in `items` on one engine."""
-        n = self.sampling.n_samples_per_prompt
-        flat = [(p, p.row_index * n + k) for p in items for k in range(n)]
-        size = self.sampling.max_request_batch
-        chunks = [flat[i:i + size] for i in range(0, len(flat), size)]
-        outputs = await asyncio.gather(*(self._request(client, chunk, step) for chunk in chunks))
-        results: dict[int, list] = {}
-        for chunk, chunk_out in zip(chunks, outputs):
-            for (prompt, _), out in zip(chunk, chunk_out):
-                results.setdefault(prompt.row_index, []).append(out)
-        return list(results.items())
+    async def _generate(self, prompts: list[Prompt], step: int) -> dict[int, Any]:
+        """Every sample's output, by sample index (row * n + k). The prompts go round-robin to the
+        clients (all n samples of a prompt to one), in requests of at most `max_request_batch`. A request
+        an engine fails (it died, or hung and was ended by the watch) is sent again once the recovery
+        replaced the engine: the sample's seed makes it the same draw, and only its one answer is kept."""
+        n, size = self.sampling.n_samples_per_prompt, self.sampling.max_request_batch
+        per_engine: list[list[tuple[Prompt, int]]] = [[] for _ in self.clients]
+        for position, prompt in enumerate(prompts):
+            per_engine[position % len(self.clients)] += [(prompt, prompt.row_index * n + k) for k in range(n)]
+        todo = [(client, flat[i:i + size]) for client, flat in zip(self.clients, per_engine)
+                for i in range(0, len(flat), size)]
+        outputs: dict[int, Any] = {}
+        for _ in range(MAX_RECOVERIES + 1):
+            failed: list[tuple[list[tuple[Prompt, int]], Exception]] = []
+
+            async def send(client: EngineClient, chunk: list[tuple[Prompt, int]], failed=failed) -> None:
+                try:
+                    answers = await self._request(client, chunk, step)
+                except (httpx.TransportError, EngineError) as exc:
+                    failed.append((chunk, exc))
+                    return
+                outputs.update((index, out) for (_, index), out in zip(chunk, answers))
+
+            await self._watched(asyncio.gather(*(send(client, chunk) for client, chunk in todo)))
+            if not failed:
+                return outputs
+            if self.recovery is None:
+                raise failed[0][1]
+            # Nothing is in flight now: a safe point to replace engines (controller/recovery.py).
+            await self.set_clients(await self.recovery.recover(failed[0][1]))
+            chunks = [chunk for chunk, _ in failed]
+            self.resent += sum(len(chunk) for chunk in chunks)
+            log.warning("sending %d sample(s) again after an engine was replaced",
+                        sum(len(chunk) for chunk in chunks))
+            todo = [(self.clients[i % len(self.clients)], chunk) for i, chunk in enumerate(chunks)]
+        raise RuntimeError(f"the engines failed {MAX_RECOVERIES + 1} times in one step; see the engine logs "
+                           "under the run's logs/ directory")
+
+    async def _watched(self, work) -> None:
+        """Await `work` while the recovery's watch asks every engine for /health (an engine that does not
+        answer in time is ended, so that its requests fail and are sent again)."""
+        if self.recovery is None or self.recovery.check_every_s is None:
+            await work
+            return
+        task = asyncio.ensure_future(work)
+        while not (await asyncio.wait({task}, timeout=self.recovery.check_every_s))[0]:
+            await self.recovery.check()
+        task.result()
 
     async def _request(self, client: EngineClient, chunk: list[tuple[Prompt, int]], step: int):
         s = self.sampling
@@ -164,10 +205,9 @@ class RolloutManager:
         self.last_reward_stats = dict(self.reward_hub.last_stats)
 
 
-def raise_if_aborted(groups) -> None:
+def raise_if_aborted(outs: list) -> None:
     """An aborted request (the run is stopping, or an engine failed) makes the whole batch unusable:
     stop before scoring it rather than train on cut-off responses."""
-    outs = [out for group in groups for _, responses in group for out in responses]
     aborted = sum(out.finish_reason == "abort" for out in outs)
     if aborted:
         raise GenerationAborted(f"{aborted} of {len(outs)} responses were aborted by the engines")

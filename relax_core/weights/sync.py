@@ -143,13 +143,24 @@ class WeightBroadcaster:
             raise RuntimeError("call init() first")
         start = time.perf_counter()
         stats = BroadcastStats(version, 0, 0, 0, 0.0)
-        opened = await asyncio.gather(*(c.begin_weight_update() for c in self.clients))
-        for bucket, is_last in _with_last(iter_buckets(named_tensors, self.bucket_bytes)):
-            await self._send_bucket(bucket, str(version) if is_last else None)
-            stats.num_buckets += 1
-            stats.num_tensors += len(bucket)
-            stats.total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        await asyncio.gather(*(c.end_weight_update() for c, was in zip(self.clients, opened) if was))
+        opened = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
+        try:
+            failed = next(((c, r) for c, r in zip(self.clients, opened) if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise WeightSyncError(f"weight update failed: {failed[0].base_url}: {failed[1]!r}") from failed[1]
+            for bucket, is_last in _with_last(iter_buckets(named_tensors, self.bucket_bytes)):
+                await self._send_bucket(bucket, str(version) if is_last else None)
+                stats.num_buckets += 1
+                stats.num_tensors += len(bucket)
+                stats.total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        finally:
+            # Also when an engine failed: the others' sessions end, so they serve again (with what they got,
+            # until the update is sent again once the failed engine is replaced, controller/recovery.py).
+            ended = await asyncio.gather(
+                *(c.end_weight_update() for c, was in zip(self.clients, opened) if was is True), return_exceptions=True)
+        problem = next((r for r in ended if isinstance(r, BaseException)), None)
+        if problem is not None:
+            raise WeightSyncError(f"ending the weight update failed: {problem!r}") from problem
         stats.seconds = time.perf_counter() - start
         return stats
 
