@@ -548,6 +548,13 @@ class LoggingConfig(Section):
     requeued run continues the same W&B run. Each is imported only when listed."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """W&B settings (read when `backends` lists wandb)."""
+    notify: list[str] = Field(default_factory=list)
+    """Apprise URLs that get the run's events (started, a summary every `notify_every` steps, checkpoints,
+    engine restarts, stopped, requeued, finished, failed with its cause): `ntfy://`, `slack://`,
+    `mailto://`, `json://host:port/path` for a webhook of one's own... Write a URL that holds a token as
+    `${VARIABLE}` from the environment. A notifier that is down never slows or fails the run."""
+    notify_every: int = Field(50, ge=1)
+    """Steps between two summaries sent to `notify` (step, reward, throughput, staleness)."""
 
     @field_validator("backends")
     @classmethod
@@ -562,6 +569,26 @@ class LoggingConfig(Section):
         if self.wandb != WandbConfig() and "wandb" not in self.backends:  # a setting nothing would read
             raise ValueError("logging.wandb is set but logging.backends does not list wandb: add wandb to "
                              "logging.backends, or drop logging.wandb")
+        return self
+
+    @field_validator("notify")
+    @classmethod
+    def _apprise_urls(cls, value: list[str]) -> list[str]:
+        if value:
+            from relax_core.metrics.notify import unusable
+
+            bad = [value.index(url) + 1 for url in unusable(value)]
+            if bad:
+                schemes = ", ".join(f"entry {i} ({value[i - 1].split('://', 1)[0]}://...)" for i in bad)
+                raise ValueError(f"{schemes}: not a URL Apprise can send to; see "
+                                 "https://github.com/caronc/apprise/wiki for each service's form")
+        return value
+
+    @model_validator(mode="after")
+    def _notify_every_needs_notify(self) -> LoggingConfig:
+        if self.notify_every != 50 and not self.notify:
+            raise ValueError("logging.notify_every is set but logging.notify lists no URL: add one, or drop "
+                             "logging.notify_every")
         return self
 
     def uses(self, backend: str) -> bool:

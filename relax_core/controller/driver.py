@@ -42,12 +42,29 @@ def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | N
     """
     from relax_core.controller.job import Job
     from relax_core.controller.preemption import abort_generation_on_stop
+    from relax_core.metrics.notify import Notifier
 
     module, _, name = LOOPS[recipe.mode].partition(":")
     train_loop = getattr(importlib.import_module(module), name)
-    job = Job(recipe, run, console, stop=stop, cpu_sets=cpu_sets)
+    notifier = Notifier(recipe.logging.notify, recipe.name, recipe.logging.notify_every)
+    notifier.started(str(run.path), run.read_state().get("job_id"), recipe.train.steps)
+    job = None
     try:
+        job = Job(recipe, run, console, stop=stop, cpu_sets=cpu_sets, notifier=notifier)
         with abort_generation_on_stop(job):
-            return train_loop(job)
+            outcome = train_loop(job)
+        if outcome == "completed":
+            notifier.finished(recipe.train.steps)
+        else:
+            notifier.stopped(job.completed[0])
+        return outcome
+    except BaseException as exc:
+        notifier.failed(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:500]}",
+                        str(run.logs / "driver.log"))
+        raise
     finally:
-        job.close()
+        try:
+            if job is not None:
+                job.close()
+        finally:
+            notifier.close()

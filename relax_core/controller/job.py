@@ -33,8 +33,9 @@ ENGINE_KEY = "engine_api_key"
 
 class Job:
     def __init__(self, recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None,
-                 cpu_sets: dict[str, list[int]] | None = None):
-        """`cpu_sets`: cores of the train and rollout groups when they share one machine (local executor)."""
+                 cpu_sets: dict[str, list[int]] | None = None, notifier=None):
+        """`cpu_sets`: cores of the train and rollout groups when they share one machine (local executor);
+        `notifier`: the run's `metrics.notify.Notifier` (checkpoints, engine restarts, step summaries)."""
         import ray
 
         from relax_core.data.prompts import build_prompt_source
@@ -42,6 +43,7 @@ class Job:
         from relax_core.rewards.hub import check_routes
 
         self.recipe, self.run = recipe, run
+        self.notifier = notifier
         self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
         self.cpu_sets = cpu_sets or {}
         self.loop = asyncio.new_event_loop()
@@ -59,6 +61,7 @@ class Job:
         self.engines = None
         self.elastic = None  # scale operations (elastic.py), once the engines are up
         self.recovery = None  # engines that die or hang are replaced (recovery.py), once they are up
+        self.engine_lock = threading.Lock()  # one change of the engine set at a time (streaming's two threads)
         self.api = None  # the control API (api.py)
         self.slots = None  # controller/gpu_slots.py: what each trainer rank and engine asks Ray for
         self.bus = None  # TransferQueue (asynchronous modes)
@@ -136,7 +139,8 @@ class Job:
                                on_change=lambda: self.run.update_state(**self.elastic.snapshot()))
         self.run.update_state(**self.elastic.snapshot())
         self.recovery = EngineRecovery(self, self.recipe.recovery.health_timeout_s,
-                                       self.recipe.recovery.max_engine_restarts)
+                                       self.recipe.recovery.max_engine_restarts,
+                                       on_restart=self.notifier.engine_restarted if self.notifier else None)
         self.api = ControlApi.start(self.run, self.elastic, node_ip(), self.api_status)
 
     def api_status(self) -> dict[str, Any]:
@@ -324,6 +328,8 @@ class Job:
                        for rank, t in enumerate(self.trainers)])
         self.checkpointed = step
         self.run.update_state(checkpoint_step=step)
+        if self.notifier is not None:
+            self.notifier.checkpoint(step, self.ckpt_dir)
 
     def step_done(self, step: int, data_state: dict | None = None) -> None:
         """`step` is complete: a stop from now on checkpoints it, with the prompt cursor as of its end
@@ -367,6 +373,8 @@ class Job:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.tracker.log(step, metrics)
+        if self.notifier is not None:
+            self.notifier.step(step, self.recipe.train.steps, metrics)
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:

@@ -37,7 +37,11 @@ def describe(error: BaseException) -> str:
     while isinstance(error.__cause__, BaseException) and "WeightSyncError" in type(error).__name__:
         error = error.__cause__
     first = (str(error).splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first[:300]}"
+    return first[:300] if isinstance(error, RequestFailed) else f"{type(error).__name__}: {first[:300]}"
+
+
+class RequestFailed(RuntimeError):
+    """A request failed in another process (the rollout service's), described there."""
 
 
 class EngineFailed(RuntimeError):

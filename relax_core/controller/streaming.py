@@ -29,7 +29,9 @@ the rollout service held at a safe point (between two batches).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ def train_streaming(job: Job) -> str:
     last_done = time.perf_counter()
     upcoming = Upcoming(job, start + 1)
     books = None  # the step trained last, whose records are written while the next one trains
+    desk = RecoveryDesk(job)
     try:
         for step in range(start + 1, total + 1):
             engine_stats = apply_engine_changes(job)
@@ -103,6 +106,7 @@ def train_streaming(job: Job) -> str:
                 return job.stop_here()
         return "completed"
     finally:
+        desk.stop()
         services.rollout.halt.remote()
 
 
@@ -193,6 +197,51 @@ class Upcoming:
                 return
 
 
+class RecoveryDesk:
+    """A driver thread for the engines' health while the run streams (controller/recovery.py): the watch
+    (an engine that does not answer /health in time is ended), and the rollout service's requests to
+    replace engines that failed its requests or a weight update (it waits meanwhile, nothing in flight)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="relax-recovery", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from relax_core.controller.recovery import EngineFailed, RequestFailed, describe
+
+        job, loop = self.job, asyncio.new_event_loop()
+        rollout, recovery = job.services.rollout, job.recovery
+        next_check = time.monotonic() + recovery.check_every_s
+        try:
+            while not self._stop.is_set():
+                try:
+                    why = job._ray.get(rollout.recovery_request.remote(POLL_S))
+                except Exception as exc:  # the rollout service ended: the driver hears why from `record`
+                    log.debug("recovery desk: %s", exc)
+                    return
+                with job.engine_lock:
+                    if why is not None:
+                        try:
+                            loop.run_until_complete(recovery.recover(RequestFailed(why)))
+                            answer = (job.engines.endpoints(), None)
+                        except EngineFailed as exc:
+                            answer = (None, str(exc))
+                        except Exception as exc:
+                            answer = (None, f"replacing a failed engine failed: {describe(exc)} (after {why})")
+                        rollout.recovered.remote(*answer)
+                    elif time.monotonic() >= next_check:
+                        loop.run_until_complete(recovery.check())
+                        next_check = time.monotonic() + recovery.check_every_s
+        finally:
+            loop.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
 def apply_engine_changes(job: Job) -> dict[str, float]:
     """Engines added or removed since the last step, applied with the rollout service held between
     two batches (an added engine gets the weights before its first request)."""
@@ -202,7 +251,8 @@ def apply_engine_changes(job: Job) -> dict[str, float]:
     ray.get(rollout.pause.remote())
     changed: list[list[str]] = []
     try:
-        return job.elastic.apply(job.loop, changed.append)
+        with job.engine_lock:  # not while the recovery desk replaces an engine
+            return job.elastic.apply(job.loop, changed.append)
     finally:
         rollout.resume.remote(changed[-1] if changed else None)
 

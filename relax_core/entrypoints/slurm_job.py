@@ -234,9 +234,24 @@ def finish(run: RunDir, alloc: Allocation, code: int | None, node_failure: str |
             return _failed(run, "signalled before making progress; not requeued")
         run.update_state(state="requeued", requeued=_now())
         subprocess.run(["scontrol", "requeue", str(alloc.job_id)], check=True, capture_output=True, text=True)
+        _notify_requeued(run, alloc.job_id)
         return 0
     recorded = run.read_state().get("error")
     return _failed(run, recorded or f"the driver exited with code {code}; see {run.logs / 'driver.log'}")
+
+
+def _notify_requeued(run: RunDir, job_id) -> None:
+    """Tell `logging.notify` (never at the requeue's expense)."""
+    from relax_core.config import load_recipe
+    from relax_core.metrics.notify import Notifier
+
+    try:
+        recipe = load_recipe(run.recipe)
+        notifier = Notifier(recipe.logging.notify, recipe.name)
+        notifier.requeued(str(job_id), run.read_state().get("checkpoint_step", 0))
+        notifier.close()
+    except Exception as exc:
+        print(f"relax: the requeue notification failed: {exc}", file=sys.stderr, flush=True)
 
 
 def _failed(run: RunDir, message: str) -> int:

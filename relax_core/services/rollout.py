@@ -99,6 +99,8 @@ class RolloutService:
         self._error: BaseException | None = None
         self._ended = False
         self._thread: threading.Thread | None = None
+        self._recovery_asked: str | None = None  # why the production thread waits for engines replaced
+        self._recovery_answer: tuple[list[str] | None, str | None] | None = None
 
     def _clients(self, urls: list[str]) -> list:
         from relax_core.rollout.client import EngineClient
@@ -125,7 +127,8 @@ class RolloutService:
         self.prompts.load_state_dict(data_state)
         self.reward_hub = RewardHub.from_config(self.recipe.reward, judge=judge)
         self.manager = RolloutManager(self._clients(endpoints), self.tokenizer, setup.sampling_config(self.recipe),
-                                      self.reward_hub, self.system, self.media, self.recipe.data.apply_chat_template)
+                                      self.reward_hub, self.system, self.media, self.recipe.data.apply_chat_template,
+                                      recovery=_DriverRecovery(self))
         self.engine_version = self._version = engine_version
         self.downstream = downstream
         self._thread = threading.Thread(target=self._run, args=(first, last), name="relax-rollout", daemon=True)
@@ -169,6 +172,39 @@ class RolloutService:
                 self._endpoints = list(endpoints)
             self._hold = False
             self._cond.notify_all()
+
+    # ---------------------------------------------------- engine recovery
+    def recovery_request(self, timeout_s: float) -> str | None:
+        """The driver's recovery thread: why the production thread waits for failed engines to be replaced
+        (nothing of it is in flight), once it does within `timeout_s`; else None."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._recovery_asked is None and time.monotonic() < deadline:
+                self._cond.wait(min(WAIT_S, max(deadline - time.monotonic(), 0)))
+            asked, self._recovery_asked = self._recovery_asked, None
+            return asked
+
+    def recovered(self, endpoints: list[str] | None, error: str | None = None) -> None:
+        """The driver replaced the engines (requests go to `endpoints` now), or could not (`error`)."""
+        with self._cond:
+            self._recovery_answer = (endpoints, error)
+            self._cond.notify_all()
+
+    def _await_recovery(self, why: str) -> list[str]:
+        """Ask the driver to replace the engines that failed; their new endpoints (controller/recovery.py)."""
+        from relax_core.controller.recovery import EngineFailed
+
+        with self._cond:
+            self._recovery_asked, self._recovery_answer = why, None
+            self._cond.notify_all()
+            while self._recovery_answer is None:
+                if self._halt.is_set():
+                    raise Preempted("the run is stopping")
+                self._cond.wait(WAIT_S)
+            endpoints, error = self._recovery_answer
+        if error is not None:
+            raise EngineFailed(error)
+        return endpoints
 
     def halt(self) -> None:
         self._halt.set()
@@ -260,10 +296,34 @@ class RolloutService:
 
         if self._version <= self.engine_version:
             return 0.0
+        from relax_core.controller.recovery import describe
+
         start = time.perf_counter()
-        stats = ray.get(self.trainer0.sync_weights.remote(None))
-        self.engine_version = int(stats.get("sync_version", self._version))
+        version = self._version
+        try:
+            stats = ray.get(self.trainer0.sync_weights.remote(None))
+        except Exception as exc:  # an engine died: once it is replaced, every engine holds these weights
+            endpoints = self._await_recovery(describe(exc))
+            self.loop.run_until_complete(self.manager.set_clients(self._clients(endpoints)))
+            stats = {"sync_version": version}
+        self.engine_version = int(stats.get("sync_version", version))
         return time.perf_counter() - start
+
+
+class _DriverRecovery:
+    """The rollout manager's recovery in this process: the driver replaces the engines (it owns them),
+    asked through `recovery_request` / `recovered`; the driver also runs the health watch."""
+
+    check_every_s = None
+
+    def __init__(self, service: RolloutService):
+        self.service = service
+
+    async def recover(self, error: Exception) -> list:
+        from relax_core.controller.recovery import describe
+
+        endpoints = await asyncio.to_thread(self.service._await_recovery, describe(error))
+        return self.service._clients(endpoints)
 
 
 def sample_stats(samples: list) -> dict[str, float]:
