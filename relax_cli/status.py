@@ -1,4 +1,5 @@
-"""`relax status [RUN] [--json]`: state, step and reward of a run."""
+"""`relax status [RUN] [--json]`: state, progress (rate, ETA), reward trend, staleness, engines (their
+health now, PIDs, restarts) and latest checkpoint of a run."""
 
 from __future__ import annotations
 
@@ -22,15 +23,24 @@ def status(
         out.print(json.dumps(report, indent=2), markup=False)
         return
     engines, scale = report.pop("engines"), report.pop("scale")
+    if report.get("eta_s") is not None:
+        report["eta_s"] = f"{report['eta_s']}s ({_clock(report['eta_s'])})"
     for key, value in report.items():
         if value is not None:
             out.print(f"{key:<18} {value}", markup=False)
     for engine in engines or []:
         where = f" on {engine['node']}" if engine.get("node") else ""
-        out.print(f"{'engine ' + engine['id']:<18} {engine['state']:<9} {engine['origin']:<9} "
+        health = {True: "healthy", False: "NOT ANSWERING", None: "-"}[engine.get("healthy")]
+        out.print(f"{'engine ' + engine['id']:<18} {engine['state']:<9} {engine['origin']:<9} {health:<13} "
+                  f"pid {engine.get('pid') or '-'} restarts {engine.get('restarts', 0)} "
                   f"{engine.get('url') or '-'}{where}", markup=False)
     if scale:
         job = f", Slurm job {scale['slurm_job_id']}" if scale.get("slurm_job_id") else ""
         error = f": {scale['error']}" if scale.get("error") else ""
         out.print(f"{'scale ' + scale['id']:<18} {scale['kind']} {scale['count']} ({scale['source']}{job}) "
                   f"{scale['state']}{error}", markup=False)
+
+
+def _clock(seconds: float) -> str:
+    hours, rest = divmod(int(seconds), 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

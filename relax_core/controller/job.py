@@ -311,7 +311,9 @@ class Job:
             except Exception as exc:  # an engine died: replaced, it and the others get these weights then
                 if self.recovery is None:
                     raise
-                self.loop.run_until_complete(self.recovery.recover(exc))
+                clients = self.loop.run_until_complete(self.recovery.recover(exc))
+                if hasattr(self, "rollout_manager"):  # colocate: the next step goes to the new engine
+                    self.loop.run_until_complete(self.rollout_manager.set_clients(clients))
                 stats = {"sync_version": float(version if version is not None else self.policy_version)}
         self.policy_version = int(stats.get("sync_version", version or 0))
         return stats

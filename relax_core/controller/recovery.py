@@ -120,6 +120,7 @@ class EngineRecovery:
                                "recovery.max_engine_restarts")
         log.warning("engine %s (%s) is gone (%s): starting a new one in its place", name, url, reason)
         elastic.set_state(url, "restarting")
+        engines.kill(url)  # it did not answer, but may be alive (stopped, hung): nothing may wait on it
         await engines.remove(url, alive=False)
         if record is not None and record.origin == "external":
             return  # someone else's engine: it is only forgotten

@@ -65,10 +65,61 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "error": state.get("error"),
         # the driver records these as they change (controller/elastic.py); live, GET /v1/engines adds
         # each engine's weight version and load
-        "engines": state.get("engines") if status in ("running", "requeued") else None,
+        "engines": _with_health(run, state.get("engines")) if status in ("running", "requeued") else None,
         "scale": state.get("scale"),
         "engine_restarts": len(state.get("engine_restarts") or []),
+    } | progress(metrics, state.get("total_steps"))
+
+
+TREND_STEPS = 10  # the reward trend: the mean of the last this many steps against the this many before
+
+
+def progress(rows: list[dict[str, Any]], total: int | None) -> dict[str, Any]:
+    """Rate, ETA, reward trend and staleness from metrics.jsonl's rows (steps logged with their time)."""
+    timed = [r for r in rows[-(2 * TREND_STEPS + 1):] if isinstance(r.get("time"), (int, float))]
+    rate = None
+    if len(timed) >= 2 and timed[-1]["time"] > timed[0]["time"]:
+        rate = (timed[-1]["step"] - timed[0]["step"]) / (timed[-1]["time"] - timed[0]["time"])
+    step = rows[-1]["step"] if rows else 0
+    rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
+    recent, before = rewards[-TREND_STEPS:], rewards[-2 * TREND_STEPS:-TREND_STEPS]
+    last = rows[-1] if rows else {}
+    return {
+        "steps_per_min": round(rate * 60, 2) if rate else None,
+        "eta_s": round((total - step) / rate) if rate and total and total > step else None,
+        "reward_recent_mean": round(sum(recent) / len(recent), 4) if recent else None,
+        "reward_trend": round(sum(recent) / len(recent) - sum(before) / len(before), 4) if before else None,
+        "staleness_max": last.get("staleness_max"),
+        "tokens_per_s": last.get("tokens_per_s"),
     }
+
+
+def engine_health(run: RunDir, engines: list[dict[str, Any]], timeout_s: float = 2.0) -> dict[str, bool]:
+    """Each engine's answer to /health now (url -> answered), with the run's engine key."""
+    import httpx
+
+    try:
+        key = run.secret("engine_api_key")
+    except OSError:
+        return {}
+    answers = {}
+    for engine in engines:
+        url = engine.get("url")
+        if not url:
+            continue
+        try:
+            answers[url] = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"},
+                                     timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            answers[url] = False
+    return answers
+
+
+def _with_health(run: RunDir, engines: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not engines:
+        return engines
+    health = engine_health(run, engines)
+    return [e | {"healthy": health.get(e.get("url"))} for e in engines]
 
 
 def _latest_checkpoint(run: RunDir) -> int | None:

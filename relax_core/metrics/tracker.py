@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,8 @@ class MetricsTracker:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}
-        with self.metrics_file.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
+        with self.metrics_file.open("a") as handle:  # when (epoch seconds): `relax status`'s rate and ETA
+            handle.write(json.dumps(row | {"time": round(time.time(), 3)}) + "\n")
         writer = self._tensorboard()
         if writer is not None:
             for key, value in metrics.items():

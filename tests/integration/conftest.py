@@ -6,3 +6,4 @@ start one engine server per module. Registered here, each exists once per sessio
 """
 
 from engine_fixtures import engine, tiny_model_dir  # noqa: F401
+from webhook import webhook  # noqa: F401

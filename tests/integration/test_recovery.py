@@ -18,7 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 from test_elastic import QUICKSTART, relax, start_relax
+from test_notify import told_about_a_run
 from test_slurm_launch import wait_for
+from webhook import closed_port
 
 SAMPLES = 16 * 8  # the quick start's prompts_per_step x n_samples_per_prompt
 
@@ -68,10 +70,13 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocate", "fully_async"])
-def test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost(tmp_path, mode):
+def test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost(tmp_path, mode, webhook):
     run, out = tmp_path / "run", tmp_path / "driver.out"
+    # The colocate run also tells a webhook (test_notify.py), and a second one nobody answers.
+    notify = ([f'logging.notify=["{webhook.url}", "json://127.0.0.1:{closed_port()}/nobody"]',
+               "logging.notify_every=40", "checkpoint.interval=60"] if mode == "colocate" else [])
     driver = start_relax("submit", str(QUICKSTART), f"mode={mode}", "train.steps=150", "logging.backends=[]",
-                         "recovery.health_timeout_s=2", "--executor", "local", "--run-dir", "run",
+                         "recovery.health_timeout_s=2", *notify, "--executor", "local", "--run-dir", "run",
                          cwd=tmp_path, out=out)
     try:
         wait_for(lambda: driver.poll() is None and len(steps(run)) >= 3 or driver.poll() is not None, 300,
@@ -85,8 +90,10 @@ def test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost(t
 
         os.kill(second, signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_for(lambda: engine_pid(run, 2), 120, "the stopped engine's replacement", poll=0.1)
+        third = wait_for(lambda: engine_pid(run, 2), 120, "the stopped engine's replacement", poll=0.1)
         restarts = state(run)["engine_restarts"]
+        live = json.loads(relax("status", "run", "--json", cwd=tmp_path).stdout)  # while it runs
+        shown = relax("status", "run", cwd=tmp_path).stdout
         # Noticed by the watch: within the health timeout, plus one check interval and the engine's load.
         assert time.monotonic() - stopped < 2 + 2 + 30
         assert gone(second), "the stopped engine must be ended, not left behind"
@@ -102,18 +109,63 @@ def test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost(t
     assert all(r["samples"] == SAMPLES for r in rows)
     assert killed_at < 150
     assert [r["engine"] for r in restarts] == ["e0", "e0"]
-    assert "health" in restarts[1]["reason"] and "health" not in restarts[0]["reason"]
-    shown = relax("status", "run", "--json", cwd=tmp_path)
-    report = json.loads(shown.stdout)
-    assert report["engine_restarts"] == 2, shown.stdout
+    # A stopped engine is found by the watch (requests in flight hang) or by a request it cannot take.
+    assert all(r["reason"] for r in restarts)
+    assert live["state"] == "running" and live["engine_restarts"] == 2
+    assert [(e["id"], e["restarts"], e["healthy"], e["pid"]) for e in live["engines"]] == [("e0", 2, True, third)]
+    assert live["steps_per_min"] > 0 and live["eta_s"] is not None and live["reward_recent_mean"] is not None
+    assert "healthy" in shown and "restarts 2" in shown and "eta_s" in shown
+    assert json.loads(relax("status", "run", "--json", cwd=tmp_path).stdout)["engine_restarts"] == 2
+    if mode == "colocate":
+        told_about_a_run(webhook, run)
+
+
+def test_the_watch_ends_a_stopped_engine_within_the_health_timeout(tiny_model_dir, tmp_path):
+    """`recovery.health_timeout_s` is how long a stopped engine gets: a real engine server is stopped
+    (SIGSTOP), and the watch gives up on it within the timeout and ends it, while a healthy one is kept."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine_fixtures import EngineServer
+
+    from relax_core.controller.recovery import EngineRecovery
+
+    class Engines:  # the job's engine set, as the watch uses it
+        def __init__(self, servers):
+            self.servers = {s.base_url: s for s in servers}
+            self.spec, self.ended = SimpleNamespace(api_key="k"), []
+
+        @property
+        def urls(self):
+            return list(self.servers)
+
+        def kill(self, url):
+            self.ended.append(url)
+            return True
+
+    with EngineServer(tiny_model_dir, tmp_path / "a.log", "k") as healthy, \
+            EngineServer(tiny_model_dir, tmp_path / "b.log", "k") as stopped:
+        engines = Engines([healthy, stopped])
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            for timeout_s in (1.0, 3.0):
+                recovery = EngineRecovery(SimpleNamespace(engines=engines, elastic=None), timeout_s, 3)
+                engines.ended.clear()
+                start = time.monotonic()
+                asyncio.run(recovery.check())
+                took = time.monotonic() - start
+                assert engines.ended == [stopped.base_url]
+                assert timeout_s - 0.1 < took < timeout_s + 1.0, took  # it waited the timeout, no more
+        finally:
+            stopped.proc.kill()
 
 
 @pytest.mark.slow
-def test_an_engine_that_keeps_failing_ends_the_run_naming_it_and_its_log(tmp_path):
+def test_an_engine_that_keeps_failing_ends_the_run_naming_it_and_its_log(tmp_path, webhook):
     run, out = tmp_path / "run", tmp_path / "driver.out"
     driver = start_relax("submit", str(QUICKSTART), "train.steps=150", "logging.backends=[]",
-                         "recovery.max_engine_restarts=0", "--executor", "local", "--run-dir", "run",
-                         cwd=tmp_path, out=out)
+                         "recovery.max_engine_restarts=0", f'logging.notify=["{webhook.url}"]',
+                         "--executor", "local", "--run-dir", "run", cwd=tmp_path, out=out)
     kill_engine_after(run, driver, 2)
     assert ends_with(driver, 120) == 1, out.read_text()[-3000:]
     printed = " ".join(out.read_text().split())
@@ -121,3 +173,6 @@ def test_an_engine_that_keeps_failing_ends_the_run_naming_it_and_its_log(tmp_pat
     assert str(run / "logs" / "engine-0.log") in printed
     assert len(steps(run)) < 150
     assert state(run)["state"] == "failed" and "engine e0" in state(run)["error"]
+    failed = webhook.posts[-1]  # the notifiers hear it with the cause and the log to read
+    assert failed["title"].endswith("failed") and failed["type"] == "failure"
+    assert "engine e0" in failed["message"] and str(run / "logs" / "driver.log") in failed["message"]
