@@ -10,7 +10,9 @@ with its row's own reward (`row["reward"]`, from `data.reward_key`) or the
 recipe's; the step's failure counts are left in `last_reward_stats` for the
 controller, and too many failures end the run there. Every sample gets its own sampling
 seed derived from (run seed, step, index), so a resumed run draws exactly
-the samples the uninterrupted run would have drawn.
+the samples the uninterrupted run would have drawn, and a request sent again
+after its engine failed (the `recovery`, controller/recovery.py, replaced it)
+draws the same samples; only one answer per sample is kept.
 """
 
 from __future__ import annotations
