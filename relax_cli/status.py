@@ -1,5 +1,5 @@
 """`relax status [RUN] [--json]`: state, progress (rate, ETA), reward trend, staleness, engines (their
-health now, PIDs, restarts) and latest checkpoint of a run."""
+health now, PIDs, restarts), trainer ranks (PIDs), job restarts and latest checkpoint of a run."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def status(
     if as_json:
         out.print(json.dumps(report, indent=2), markup=False)
         return
-    engines, scale = report.pop("engines"), report.pop("scale")
+    engines, scale, trainers = report.pop("engines"), report.pop("scale"), report.pop("trainers")
     if report.get("eta_s") is not None:
         report["eta_s"] = f"{report['eta_s']}s ({_clock(report['eta_s'])})"
     for key, value in report.items():
@@ -34,6 +34,8 @@ def status(
         out.print(f"{'engine ' + engine['id']:<18} {engine['state']:<9} {engine['origin']:<9} {health:<13} "
                   f"pid {engine.get('pid') or '-'} restarts {engine.get('restarts', 0)} "
                   f"{engine.get('url') or '-'}{where}", markup=False)
+    for rank in trainers or []:
+        out.print(f"{'trainer rank ' + str(rank['rank']):<18} pid {rank['pid']} on {rank['node']}", markup=False)
     if scale:
         job = f", Slurm job {scale['slurm_job_id']}" if scale.get("slurm_job_id") else ""
         error = f": {scale['error']}" if scale.get("error") else ""

@@ -525,6 +525,11 @@ class RecoveryConfig(Section):
     max_engine_restarts: int = Field(3, ge=0)
     """Replacements of one engine within an hour; its next failure ends the run, naming the engine and
     its log (0: any engine failure ends the run)."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts of the whole job from its latest checkpoint, inside the same driver, after a trainer rank or a
+    service that holds training state died (or ran out of memory once); the next such failure ends the run
+    with its cause (0: the first one does). Errors that would only happen again (a bad recipe found late,
+    out of memory twice the same way) end the run at once."""
 
 
 class WandbConfig(Section):

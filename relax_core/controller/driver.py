@@ -35,22 +35,42 @@ def setup_logging(run: RunDir) -> None:
 
 def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None,
             cpu_sets: dict[str, list[int]] | None = None) -> str:
-    """Run the training loop to the end, or until `stop` is set (then checkpoint).
+    """Run the training loop to the end, or until `stop` is set (then checkpoint). A job that lost a trainer
+    rank or a service starts again from its latest checkpoint, at most `recovery.max_restarts` times
+    (controller/restarts.py).
 
     Returns:
         "completed", or "stopped" when `stop` ended the run early.
     """
-    from relax_core.controller.job import Job
-    from relax_core.controller.preemption import abort_generation_on_stop
+    from relax_core.controller.restarts import JobRestarts
     from relax_core.metrics.notify import Notifier
 
     module, _, name = LOOPS[recipe.mode].partition(":")
     train_loop = getattr(importlib.import_module(module), name)
     notifier = Notifier(recipe.logging.notify, recipe.name, recipe.logging.notify_every)
     notifier.started(str(run.path), run.read_state().get("job_id"), recipe.train.steps)
+    restarts = JobRestarts(recipe.recovery.max_restarts)
+    try:
+        while True:
+            outcome = _attempt(recipe, run, console, stop, cpu_sets, notifier, train_loop, restarts)
+            if outcome != "restart":
+                return outcome
+    except BaseException as exc:
+        notifier.failed(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:500]}",
+                        str(run.logs / "driver.log"))
+        raise
+    finally:
+        notifier.close()
+
+
+def _attempt(recipe, run, console, stop, cpu_sets, notifier, train_loop, restarts) -> str:
+    """One job from start to end: its outcome, or "restart" when it failed in a way a restart mends."""
+    from relax_core.controller.job import Job
+    from relax_core.controller.preemption import abort_generation_on_stop
+
     job = None
     try:
-        job = Job(recipe, run, console, stop=stop, cpu_sets=cpu_sets, notifier=notifier)
+        job = Job(recipe, run, console, stop=stop, cpu_sets=cpu_sets, notifier=notifier, restarted=restarts.count > 0)
         with abort_generation_on_stop(job):
             outcome = train_loop(job)
         if outcome == "completed":
@@ -58,13 +78,16 @@ def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | N
         else:
             notifier.stopped(job.completed[0])
         return outcome
-    except BaseException as exc:
-        notifier.failed(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:500]}",
-                        str(run.logs / "driver.log"))
-        raise
+    except Exception as exc:
+        cause = restarts.cause(exc, job)  # raises RestartLimit past recovery.max_restarts
+        if cause is None:
+            raise
+        run.update_state(job_restarts=restarts.history)
+        if console is not None:
+            console.print(f"restart {restarts.count} of at most {restarts.limit}: {cause}; resuming from the "
+                          f"checkpoint of step {job.checkpointed}", style="yellow", highlight=False, markup=False)
+        notifier.restarted(restarts.count, restarts.limit, cause, job.checkpointed)
+        return "restart"
     finally:
-        try:
-            if job is not None:
-                job.close()
-        finally:
-            notifier.close()
+        if job is not None:
+            job.close()

@@ -22,6 +22,7 @@ from typing import Any
 
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
+from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.workers import TrainerWorker, end_actors
 from relax_core.launch.plan import threads_per_process
 from relax_core.launch.rundir import RunDir
@@ -33,9 +34,11 @@ ENGINE_KEY = "engine_api_key"
 
 class Job:
     def __init__(self, recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None,
-                 cpu_sets: dict[str, list[int]] | None = None, notifier=None):
+                 cpu_sets: dict[str, list[int]] | None = None, notifier=None, restarted: bool = False):
         """`cpu_sets`: cores of the train and rollout groups when they share one machine (local executor);
-        `notifier`: the run's `metrics.notify.Notifier` (checkpoints, engine restarts, step summaries)."""
+        `notifier`: the run's `metrics.notify.Notifier` (checkpoints, engine restarts, step summaries);
+        `restarted`: this job replaces one that failed (restarts.py): it resumes from the run's latest
+        checkpoint even where `checkpoint.resume` is off (that is about checkpoints of earlier runs)."""
         import ray
 
         from relax_core.data.prompts import build_prompt_source
@@ -44,6 +47,7 @@ class Job:
 
         self.recipe, self.run = recipe, run
         self.notifier = notifier
+        self.restarted = restarted
         self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
         self.cpu_sets = cpu_sets or {}
         self.loop = asyncio.new_event_loop()
@@ -66,6 +70,7 @@ class Job:
         self.slots = None  # controller/gpu_slots.py: what each trainer rank and engine asks Ray for
         self.bus = None  # TransferQueue (asynchronous modes)
         self.services = None  # relax_core.services.launch.ServiceSet (asynchronous modes)
+        self.trainer_watch = None  # trainer ranks that stop answering are ended (restarts.py)
         self.rows_trained = 0  # asynchronous modes: rows trained on by this driver (for the queue depth)
         self._media = None  # the media workers of the rollout managers this process makes (prompt_prep.py)
         try:
@@ -112,6 +117,9 @@ class Job:
             self._start_services()
         urls = self._ray.get(engines_ready)
         self._ray.get(trainers_ready)
+        # Each rank's process, for an operator (and `lost_processes`) to find it by
+        self.run.update_state(trainers=self._ray.get([t.process.remote() for t in self.trainers]))
+        self.trainer_watch = TrainerWatch(self._ray, self.trainers, self.recipe.recovery.health_timeout_s)
         self.judge = self.judges.endpoints()  # None without reward.genrm; plain data for the reward hub
         log.info("engines ready: %s", ", ".join(urls))
         self.engines.connect(urls)
@@ -358,7 +366,7 @@ class Job:
         from relax_core.launch.same_run import fingerprint
 
         claim(self.ckpt_dir, self.run.run_id(), self.run.path, fingerprint(self.recipe.model_dump(mode="json")))
-        resuming = self.recipe.checkpoint.resume and find_latest(self.ckpt_dir) is not None
+        resuming = (self.recipe.checkpoint.resume or self.restarted) and find_latest(self.ckpt_dir) is not None
         step = self._load_latest() if resuming else 0
         self.tracker.resume_from(step)
         return step
@@ -373,6 +381,35 @@ class Job:
         self.restore_engines(int(progress.get("engines_added", 0)))
         return self.checkpointed
 
+    def lost_processes(self, timeout_s: float) -> list[str]:
+        """The trainer ranks that do not say who they are within `timeout_s` (dead, or stopped), and the
+        services whose actor died: one line each, naming it (restarts.py)."""
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from relax_core.controller.recovery import describe
+
+        known = {p["rank"]: p for p in self.run.read_state().get("trainers") or []}
+        lost = []
+        for rank, ref in enumerate([t.process.remote() for t in self.trainers]):
+            try:
+                self._ray.get(ref, timeout=timeout_s)
+            except Exception as exc:  # its actor died, or it did not answer in time
+                where = known.get(rank)
+                name = f"trainer rank {rank}" + (f" (pid {where['pid']} on {where['node']})" if where else "")
+                why = f"did not answer within {timeout_s:.0f}s" if isinstance(exc, GetTimeoutError) else "is gone"
+                if self.trainer_watch is not None and rank in self.trainer_watch.ended:
+                    why = (f"did not answer within recovery.health_timeout_s={self.trainer_watch.timeout_s:g}s "
+                           "and was ended")
+                lost.append(f"{name} {why} ({describe(exc)})")
+        for name, handle in self.services.actors() if self.services is not None else ():
+            try:
+                self._ray.get(handle.node_id.remote(), timeout=timeout_s)
+            except RayActorError as exc:
+                lost.append(f"the {name} service is gone ({describe(exc)})")
+            except GetTimeoutError:
+                pass  # busy: a service computes one batch at a time
+        return lost
+
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.tracker.log(step, metrics)
         if self.notifier is not None:
@@ -380,6 +417,8 @@ class Job:
 
     # ------------------------------------------------------------ shutdown
     def close(self) -> None:
+        if self.trainer_watch is not None:
+            self.trainer_watch.close()
         if self.api is not None:
             self.api.stop()
         if self.elastic is not None:

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -56,7 +57,9 @@ def end_actors(ray, actors: list, what: str, method: str = "stop", timeout_s: fl
     try:
         ray.get(refs, timeout=timeout_s)
     except Exception as exc:
-        log.warning("stopping %d %s failed: %s", len(refs), what, exc)
+        from relax_core.controller.recovery import describe
+
+        log.warning("stopping %d %s failed: %s", len(refs), what, describe(exc))
     for actor in actors:
         ray.kill(actor)
 
@@ -109,6 +112,12 @@ class TrainerWorker:
         self.bus = None  # TransferQueue, attached on the first step read from it (asynchronous modes)
         self._prefetched: dict[int, list] = {}  # step -> [read, (samples, columns, seconds) or the error]
         self._prefetch_lock = threading.Lock()
+
+    def process(self) -> dict:
+        """This rank's process id and node name: run.json lists them (an operator may signal one), and a
+        rank that does not answer this is gone."""
+        return {"rank": self.rank, "pid": os.getpid(),
+                "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}
 
     def rendezvous_address(self) -> str:
         """Rank 0: host the data-parallel group's store on its node; returns its address:port

@@ -68,6 +68,10 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "engines": _with_health(run, state.get("engines")) if status in ("running", "requeued") else None,
         "scale": state.get("scale"),
         "engine_restarts": len(state.get("engine_restarts") or []),
+        # the job's restarts from its checkpoint after a trainer rank or service died (controller/restarts.py)
+        "job_restarts": len(state.get("job_restarts") or []),
+        "last_restart": ((state.get("job_restarts") or [{}])[-1]).get("cause"),
+        "trainers": state.get("trainers") if status in ("running", "requeued") else None,
     } | progress(metrics, state.get("total_steps"))
 
 

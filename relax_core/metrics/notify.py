@@ -94,6 +94,11 @@ class Notifier:
                                       f"{record['new_url']} serves in its place after {record['took_s']:.1f}s",
                   "warning")
 
+    def restarted(self, count: int, limit: int, cause: str, step: int) -> None:
+        """The job failed and starts again from its checkpoint of `step` (controller/restarts.py)."""
+        where = f"its checkpoint of step {step}" if step else "the start (no checkpoint yet)"
+        self.send("restarted", f"{cause}; restarting from {where} (restart {count} of at most {limit})", "warning")
+
     def stopped(self, step: int) -> None:
         self.send("stopped", f"preempted or signalled at step {step}; the last completed step is checkpointed",
                   "warning")

@@ -2,8 +2,10 @@
 
 The controller calls `log(step, metrics)` once per training step. The JSONL
 file is the source of truth (`relax status` and `relax plot` read it);
-TensorBoard and W&B (`wandb_run.py`) get every numeric value; the console
-gets one line per step.
+TensorBoard and W&B (`wandb_run.py`) get every numeric value; the driver
+log gets one line per step, and so does the console, unless it is a terminal:
+there one live line (rich) shows the step, a bar, the elapsed time, the ETA and
+the latest figures, and what else the run prints appears above it.
 
 A resumed run redoes the steps after its checkpoint, so `resume_from(K)` first
 drops what the interrupted attempt logged past step K: metrics.jsonl is
@@ -48,6 +50,7 @@ class MetricsTracker:
         self.console = console
         self._writer = None
         self._purge_step: int | None = None
+        self._live: LiveLine | None = None
 
     def resume_from(self, step: int) -> None:
         """Forget what was logged after `step`: the run continues from there (see the module docstring)."""
@@ -72,8 +75,17 @@ class MetricsTracker:
             self.wandb.log(step, metrics)
         line = progress_line(row, self.total_steps)
         log.info(line)
-        if self.console is not None:
+        if self.console is None:
+            return
+        if self.console.is_terminal:
+            self._live_line().show(step, line.partition(" | ")[2])
+        else:
             self.console.print(line, highlight=False, markup=False)
+
+    def _live_line(self) -> LiveLine:
+        if self._live is None:
+            self._live = LiveLine(self.console, self.total_steps)
+        return self._live
 
     def _tensorboard(self):
         """The event writer, opened at the first step (after `resume_from`, which sets its purge step)."""
@@ -84,10 +96,35 @@ class MetricsTracker:
         return self._writer
 
     def close(self) -> None:
+        if self._live is not None:
+            self._live.close()
         if self._writer is not None:
             self._writer.close()
         if self.wandb is not None:
             self.wandb.close()
+
+
+class LiveLine:
+    """One progress line at the bottom of a terminal: step/total, a bar, elapsed, ETA, the latest figures."""
+
+    def __init__(self, console, total_steps: int):
+        from rich import progress as bar
+
+        self._progress = bar.Progress(bar.TextColumn("step"), bar.MofNCompleteColumn(), bar.BarColumn(bar_width=24),
+                                      bar.TimeElapsedColumn(), bar.TextColumn("eta"), bar.TimeRemainingColumn(),
+                                      bar.TextColumn("{task.fields[figures]}", markup=False),
+                                      console=console, transient=False)
+        self._task = None
+        self._total = total_steps
+
+    def show(self, step: int, figures: str) -> None:
+        if self._task is None:  # a resumed run starts its bar at the step it resumed from
+            self._task = self._progress.add_task("train", total=self._total, completed=step - 1, figures="")
+            self._progress.start()
+        self._progress.update(self._task, completed=step, figures=figures)
+
+    def close(self) -> None:
+        self._progress.stop()
 
 
 def _step_of(line: str) -> float:

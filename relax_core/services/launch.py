@@ -121,9 +121,13 @@ class ServiceSet:
     def ready(self, ray) -> str:
         """Block until every service actor is constructed (models loaded); raises a constructor's error.
         Returns where each runs, by node name ("rollout on n2, reference on n3, ...")."""
-        nodes = ray.get([self.rollout.node_id.remote(), *(d.handle.node_id.remote() for d in self.downstream)])
-        names = [("rollout", self.rollout), *((d.name, d.handle) for d in self.downstream)]
-        return ", ".join(f"{name} on {node_name(ray, node)}" for (name, _), node in zip(names, nodes))
+        actors = self.actors()
+        nodes = ray.get([handle.node_id.remote() for _, handle in actors])
+        return ", ".join(f"{name} on {node_name(ray, node)}" for (name, _), node in zip(actors, nodes))
+
+    def actors(self) -> list[tuple[str, Any]]:
+        """Each service's name and actor handle."""
+        return [("rollout", self.rollout), *((d.name, d.handle) for d in self.downstream)]
 
     def send_weights(self, trainer0, version: int | None = None) -> None:
         """Hand the actor's newest weights to the actor-forward worker (none: nothing to do); trainer rank 0

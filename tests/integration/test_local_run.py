@@ -209,3 +209,36 @@ def test_a_reward_plugin_next_to_the_recipe_trains_with_no_other_change(tmp_path
     (tmp_path / "my_rewards" / "broken.py").write_text("import no_such_module\n")
     proc = relax("submit", str(tmp_path / "recipe.yaml"), "--executor", "local", cwd=tmp_path)
     assert proc.returncode == 2 and "broken.py" in proc.stderr and "no_such_module" in proc.stderr
+
+
+def test_on_a_terminal_submit_shows_one_live_line_and_the_log_keeps_every_step(tmp_path):
+    """`relax submit` on a terminal (a pseudo-terminal here) redraws one progress line with the bar, ETA
+    and latest figures instead of printing a line per step; the driver log has every step."""
+    import pty
+    import re
+
+    main, child = pty.openpty()
+    env = os.environ | {"COLUMNS": "200", "TERM": "xterm-256color", "HF_HUB_OFFLINE": "1"}
+    env.pop("NO_COLOR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "relax_cli.main", "submit", str(QUICKSTART), "train.steps=12",
+                             *SMALL, "--executor", "local", "--run-dir", "run"],
+                            cwd=tmp_path, env=env, stdin=child, stdout=child, stderr=child, close_fds=True)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            data = os.read(main, 65536)
+        except OSError:  # the terminal closed: the command ended
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(main)
+    assert proc.wait(timeout=300) == 0
+    shown = b"".join(chunks).decode(errors="replace")
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown)
+    assert "\x1b[2K" in shown or "\x1b[1A" in shown, shown[-2000:]  # redrawn in place
+    assert re.search(r"step\s+12/12 .*eta .*reward \d\.\d{3} \| len", plain), plain[-2000:]
+    assert not re.search(r"step \d+/12 \| reward", plain)  # no line per step on the terminal
+    logged = (tmp_path / "run" / "logs" / "driver.log").read_text()
+    assert [int(n) for n in re.findall(r"step (\d+)/12 \| reward", logged)] == list(range(1, 13))

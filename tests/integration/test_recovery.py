@@ -5,6 +5,10 @@ and finishes every step with every sample; then the replacement is stopped (SIGS
 nothing), and the health watch ends and replaces it within `recovery.health_timeout_s`. `relax status`
 shows the restarts. An engine that keeps failing ends the run at `recovery.max_engine_restarts`, naming
 the engine and its log, exit 1.
+
+A trainer rank killed by PID restarts the job from its latest checkpoint in the same driver, and the
+run ends with the weights of a run resumed from that checkpoint; a rank that stops answering is ended
+by the trainer watch, and past `recovery.max_restarts` the run ends naming the rank.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from test_elastic import QUICKSTART, relax, start_relax
+from test_local_run import final_weights
 from test_notify import told_about_a_run
 from test_slurm_launch import wait_for
 from webhook import closed_port
@@ -176,3 +182,72 @@ def test_an_engine_that_keeps_failing_ends_the_run_naming_it_and_its_log(tmp_pat
     failed = webhook.posts[-1]  # the notifiers hear it with the cause and the log to read
     assert failed["title"].endswith("failed") and failed["type"] == "failure"
     assert "engine e0" in failed["message"] and str(run / "logs" / "driver.log") in failed["message"]
+
+
+TWO_RANKS = ["train.steps=10", "checkpoint.interval=4", "checkpoint.keep_last=5", "rollout.prompts_per_step=4",
+             "rollout.n_samples_per_prompt=4", "train.cpu_ranks_per_node=2", "logging.backends=[]"]
+
+
+def trainer_pid_after_checkpoint(run: Path, driver, step: int, rank: int) -> int:
+    """Trainer rank `rank`'s PID, once the checkpoint of `step` is written (run.json lists the ranks)."""
+    wait_for(lambda: state(run).get("checkpoint_step", 0) >= step or driver.poll() is not None, 300,
+             f"the checkpoint of step {step}", poll=0.02)
+    assert driver.poll() is None, "the run ended early"
+    return state(run)["trainers"][rank]["pid"]
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_killed_mid_run_restarts_the_job_from_its_checkpoint_as_a_resume_would(tmp_path, webhook):
+    run, out = tmp_path / "run", tmp_path / "driver.out"
+    driver = start_relax("submit", str(QUICKSTART), *TWO_RANKS, f'logging.notify=["{webhook.url}"]',
+                         "--executor", "local", "--run-dir", "run", cwd=tmp_path, out=out)
+    try:
+        pid = trainer_pid_after_checkpoint(run, driver, 4, 1)
+        os.kill(pid, signal.SIGKILL)  # while steps 5 to 8 run
+        assert driver.wait(timeout=300) == 0, out.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    restarts = state(run)["job_restarts"]
+    assert len(restarts) == 1 and restarts[0]["from_step"] == 4, restarts
+    assert f"trainer rank 1 (pid {pid} on " in restarts[0]["cause"] and "is gone" in restarts[0]["cause"]
+    assert pid not in [t["pid"] for t in state(run)["trainers"]] and gone(pid)
+    assert "restart 1 of at most 3: trainer rank 1" in out.read_text()
+    assert [r["step"] for r in steps(run)] == list(range(1, 11))  # steps 5.. ran again, and are logged once
+    assert json.loads(relax("status", "run", "--json", cwd=tmp_path).stdout)["job_restarts"] == 1
+    told = {p["title"].rsplit(" ", 1)[-1]: p["message"] for p in webhook.posts}
+    assert "trainer rank 1" in told["restarted"] and "checkpoint of step 4" in told["restarted"]
+    assert webhook.titles()[-1] == "finished"
+
+    # The same recipe, stopped at step 4 and resumed: an uninterrupted run from the same checkpoint.
+    for total in (4, 10):
+        resumed = relax("submit", str(QUICKSTART), *TWO_RANKS, f"train.steps={total}", "--executor", "local",
+                        "--run-dir", "resumed", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ours, theirs = final_weights(run, tmp_path, 10), final_weights(tmp_path / "resumed", tmp_path, 10)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert [r["reward_mean"] for r in steps(run)] == [r["reward_mean"] for r in steps(tmp_path / "resumed")]
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_that_stops_answering_is_ended_and_past_the_restart_limit_the_run_fails(tmp_path, webhook):
+    run, out = tmp_path / "run", tmp_path / "driver.out"
+    driver = start_relax("submit", str(QUICKSTART), *TWO_RANKS, "train.steps=200", "recovery.health_timeout_s=3",
+                         "recovery.max_restarts=0", f'logging.notify=["{webhook.url}"]', "--executor", "local",
+                         "--run-dir", "run", cwd=tmp_path, out=out)
+    pid = trainer_pid_after_checkpoint(run, driver, 4, 1)
+    os.kill(pid, signal.SIGSTOP)  # alive, answering nothing: the other rank waits for it in a collective
+    stopped = time.monotonic()
+    assert ends_with(driver, 120) == 1, out.read_text()[-3000:]
+    assert time.monotonic() - stopped < 3 + 1 + 30  # the timeout, one check interval, the shutdown
+    assert gone(pid), "the stopped rank must be ended, not left behind"
+    printed = " ".join(out.read_text().split())
+    assert f"trainer rank 1 (pid {pid} on " in printed and "recovery.health_timeout_s=3s" in printed
+    assert "recovery.max_restarts=0" in printed and str(run / "logs" / "driver.log") in printed
+    assert "job_restarts" not in state(run) and state(run)["state"] == "failed"
+    assert len(steps(run)) < 200
+    failed = webhook.posts[-1]
+    assert failed["type"] == "failure" and "trainer rank 1" in failed["message"]
