@@ -368,10 +368,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
 
 
 def mark_slurm_tests(items: list[pytest.Item]) -> None:
-    """Give the `slurm` marker to every test that uses the cluster (call from conftest), and put them in one
-    xdist group: with `-n`, they run one after another on one worker, which alone starts the cluster (its
-    ports are fixed)."""
+    """Give the `slurm` marker to every test that uses the cluster (call from conftest)."""
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
-            item.add_marker(pytest.mark.xdist_group("slurm"))
