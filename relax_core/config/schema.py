@@ -523,8 +523,9 @@ class RecoveryConfig(Section):
     stopped) is ended and replaced. An engine that dies is replaced as soon as a request to it fails;
     either way its lost requests are sent again, so no sample is lost or trained twice."""
     max_engine_restarts: int = Field(3, ge=0)
-    """Replacements of one engine within an hour; its next failure ends the run, naming the engine and
-    its log (0: any engine failure ends the run)."""
+    """Replacements of one engine within an hour; after its next failure it is left out and the run goes on
+    with the other engines, or, when it was the last, ends naming the engine and its log (0: no
+    replacement)."""
     max_restarts: int = Field(3, ge=0)
     """Restarts of the whole job from its latest checkpoint, inside the same driver, after a trainer rank or a
     service that holds training state died (or ran out of memory once); the next such failure ends the run

@@ -11,9 +11,10 @@
     an engine that does not answer /health within `recovery.health_timeout_s` while a step generates
     (hung, or stopped) is ended first, so that its requests fail and take the path above
 
-An engine replaced more than `recovery.max_engine_restarts` times within an hour ends the run, naming
-the engine and its log: something about it (its node, its memory, the model) keeps failing, and
-restarting it forever would hide that. Each replacement is recorded in run.json (`engine_restarts`,
+An engine that fails again after `recovery.max_engine_restarts` replacements within an hour is left
+out: something about it (its node, its memory, the model) keeps failing, and restarting it forever
+would hide that. The run goes on with the other engines, or, with none left, ends naming the engine
+and its log. Each replacement is recorded in run.json (`engine_restarts`,
 which `relax status` shows) and reported to the run's notifiers.
 """
 
@@ -95,14 +96,18 @@ class EngineRecovery:
         """Replace every engine that does not answer; returns the clients of the new endpoints. `error`
         (the failed request's) is raised again when every engine answers: it was not an engine's loss."""
         urls = self.job.engines.urls
-        gone = [url for url, ok in zip(urls, await self._answering(urls)) if not ok]
+        answers = await self._answering(urls)
+        gone = [url for url, ok in zip(urls, answers) if not ok]
         if not gone:
             raise error
+        serving = sum(answers)
         for url in gone:
-            await self._replace(url, self._hung.pop(url, None) or describe(error))
+            serving += await self._replace(url, self._hung.pop(url, None) or describe(error), serving)
         return self.job.clients_for(self.job.engines.endpoints())
 
-    async def _replace(self, url: str, reason: str) -> None:
+    async def _replace(self, url: str, reason: str, serving: int) -> int:
+        """Replace the engine at `url` (1: it serves again), or past its restarts leave it out when
+        `serving` other engines carry on (0); with none left, the run ends (EngineFailed)."""
         engines, elastic = self.job.engines, self.job.elastic
         record = elastic.record_of(url)
         name, log_path = self._name(url), engines.log_of(url)
@@ -114,16 +119,19 @@ class EngineRecovery:
         while recent and now - recent[0] > HOUR_S:
             recent.popleft()
         if len(recent) >= self.max_restarts:
-            raise EngineFailed(f"engine {name} ({url}) failed ({reason}) and was replaced {len(recent)} time(s) within "
-                               f"the hour already, the most recovery.max_engine_restarts={self.max_restarts} allows; "
-                               f"its log: {log_path}. Find out why it keeps failing there, or raise "
-                               "recovery.max_engine_restarts")
+            limit = (f"engine {name} ({url}) failed ({reason}) and was replaced {len(recent)} time(s) within the hour "
+                     f"already, the most recovery.max_engine_restarts={self.max_restarts} allows; its log: {log_path}")
+            if not serving:
+                raise EngineFailed(f"{limit}. No other engine serves. Find out why it keeps failing there, or raise "
+                                   "recovery.max_engine_restarts")
+            await self._leave_out(url, name, limit, reason, serving)
+            return 0
         log.warning("engine %s (%s) is gone (%s): starting a new one in its place", name, url, reason)
         elastic.set_state(url, "restarting")
         engines.kill(url)  # it did not answer, but may be alive (stopped, hung): nothing may wait on it
         await engines.remove(url, alive=False)
         if record is not None and record.origin == "external":
-            return  # someone else's engine: it is only forgotten
+            return 0  # someone else's engine: it is only forgotten
         actor = engines.spawn(elastic.spawn_options(record) if record is not None else None)
         new_url = await asyncio.wrap_future(actor.wait_ready.remote().future())
         node = await asyncio.wrap_future(actor.where.remote().future())
@@ -136,6 +144,20 @@ class EngineRecovery:
         self.records.append(entry)
         self.job.run.update_state(engine_restarts=self.records)
         log.warning("engine %s replaced: %s now serves in place of %s (%.1fs)", name, new_url, url, entry["took_s"])
+        if self.on_restart is not None:
+            self.on_restart(entry)
+        return 1
+
+    async def _leave_out(self, url: str, name: str, limit: str, reason: str, serving: int) -> None:
+        """The run goes on without the engine at `url`: it is ended and its slot freed, not replaced."""
+        log.warning("%s: the run goes on with the other %d engine(s)", limit, serving)
+        self.job.engines.kill(url)
+        await self.job.engines.remove(url, alive=False)
+        self.job.elastic.set_state(url, "failed")
+        entry = {"engine": name, "at": time.time(), "old_url": url, "new_url": None, "reason": reason,
+                 "took_s": 0.0, "left_out": True, "serving": serving}
+        self.records.append(entry)
+        self.job.run.update_state(engine_restarts=self.records)
         if self.on_restart is not None:
             self.on_restart(entry)
 

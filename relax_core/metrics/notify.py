@@ -90,6 +90,11 @@ class Notifier:
         self.send("checkpoint", f"step {step} saved in {where}")
 
     def engine_restarted(self, record: dict[str, Any]) -> None:
+        if record.get("left_out"):
+            self.send("engine left out", f"engine {record['engine']} failed ({record['reason']}) past "
+                                         f"recovery.max_engine_restarts; the run goes on with {record['serving']} "
+                                         "engine(s)", "warning")
+            return
         self.send("engine restarted", f"engine {record['engine']} failed ({record['reason']}); "
                                       f"{record['new_url']} serves in its place after {record['took_s']:.1f}s",
                   "warning")

@@ -3,8 +3,8 @@
 A local quick start (colocate, and fully_async): its engine's server is killed by PID mid-run, and the run replaces it
 and finishes every step with every sample; then the replacement is stopped (SIGSTOP: alive, answering
 nothing), and the health watch ends and replaces it within `recovery.health_timeout_s`. `relax status`
-shows the restarts. An engine that keeps failing ends the run at `recovery.max_engine_restarts`, naming
-the engine and its log, exit 1.
+shows the restarts. An engine that fails past `recovery.max_engine_restarts` is left out while another
+serves; with none left the run ends naming the engine and its log, exit 1.
 
 A trainer rank killed by PID restarts the job from its latest checkpoint in the same driver, and the
 run ends with the weights of a run resumed from that checkpoint; a rank that stops answering is ended
@@ -46,15 +46,6 @@ def engine_pid(run: Path, restarts: int) -> int | None:
     if engines and engines[0]["restarts"] == restarts and engines[0]["state"] == "active":
         return engines[0]["pid"]
     return None
-
-
-def kill_engine_after(run: Path, driver, step: int) -> int:
-    """Once `step` is logged, kill the run's engine server by its PID (returned)."""
-    wait_for(lambda: len(steps(run)) >= step or driver.poll() is not None, 300, f"step {step}", poll=0.1)
-    assert driver.poll() is None, "the run ended early"
-    pid = engine_pid(run, 0)
-    os.kill(pid, signal.SIGKILL)
-    return pid
 
 
 def ends_with(driver, timeout: float) -> int:
@@ -167,21 +158,40 @@ def test_the_watch_ends_a_stopped_engine_within_the_health_timeout(tiny_model_di
 
 
 @pytest.mark.slow
-def test_an_engine_that_keeps_failing_ends_the_run_naming_it_and_its_log(tmp_path, webhook):
+def test_an_engine_past_its_restarts_is_left_out_and_with_none_left_the_run_ends_naming_it(tmp_path, webhook):
+    """Two engines, `recovery.max_engine_restarts=0`: the first killed is left out and the run goes on with
+    the other; when that one is killed too, the run ends naming it and its log."""
     run, out = tmp_path / "run", tmp_path / "driver.out"
-    driver = start_relax("submit", str(QUICKSTART), "train.steps=150", "logging.backends=[]",
+    driver = start_relax("submit", str(QUICKSTART), "train.steps=300", "rollout.num_engines=2", "logging.backends=[]",
                          "recovery.max_engine_restarts=0", f'logging.notify=["{webhook.url}"]',
                          "--executor", "local", "--run-dir", "run", cwd=tmp_path, out=out)
-    kill_engine_after(run, driver, 2)
-    assert ends_with(driver, 120) == 1, out.read_text()[-3000:]
+    try:
+        wait_for(lambda: len(steps(run)) >= 2 or driver.poll() is not None, 300, "step 2", poll=0.1)
+        first, second = [(e["id"], e["pid"]) for e in state(run)["engines"]]
+        os.kill(first[1], signal.SIGKILL)
+        wait_for(lambda: state(run).get("engine_restarts") or driver.poll() is not None, 120, "e0 left out")
+        left_at = len(steps(run))
+        wait_for(lambda: len(steps(run)) >= left_at + 3 or driver.poll() is not None, 120, "3 steps more")
+        assert driver.poll() is None, out.read_text()[-3000:]  # it went on with one engine
+        assert [e["id"] for e in state(run)["engines"]] == [second[0]]
+        assert all(r["samples"] == SAMPLES for r in steps(run))
+        os.kill(second[1], signal.SIGKILL)
+        assert ends_with(driver, 120) == 1, out.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    left_out = state(run)["engine_restarts"]
+    assert [(r["engine"], r["left_out"], r["serving"]) for r in left_out] == [(first[0], True, 1)]
     printed = " ".join(out.read_text().split())
-    assert "engine e0" in printed and "recovery.max_engine_restarts=0" in printed and "ray::" not in printed
-    assert str(run / "logs" / "engine-0.log") in printed
-    assert len(steps(run)) < 150
-    assert state(run)["state"] == "failed" and "engine e0" in state(run)["error"]
+    assert f"engine {second[0]}" in printed and "recovery.max_engine_restarts=0" in printed and "ray::" not in printed
+    assert "No other engine serves" in printed and str(run / "logs" / "engine-1.log") in printed
+    assert len(steps(run)) < 300
+    assert state(run)["state"] == "failed" and f"engine {second[0]}" in state(run)["error"]
+    assert "engine left out" in webhook.titles()
     failed = webhook.posts[-1]  # the notifiers hear it with the cause and the log to read
     assert failed["title"].endswith("failed") and failed["type"] == "failure"
-    assert "engine e0" in failed["message"] and str(run / "logs" / "driver.log") in failed["message"]
+    assert f"engine {second[0]}" in failed["message"] and str(run / "logs" / "driver.log") in failed["message"]
 
 
 TWO_RANKS = ["train.steps=10", "checkpoint.interval=4", "checkpoint.keep_last=5", "rollout.prompts_per_step=4",
