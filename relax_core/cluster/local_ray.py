@@ -52,6 +52,7 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
     import ray
 
     from relax_core.cluster.ray_compat import single_machine, without_dashboard_process, without_monitors
+    from relax_core.cluster.tq_import import WORKER_SETUP
 
     single_machine()  # the node's address is loopback: Ray binds loopback only
     without_dashboard_process()
@@ -67,6 +68,7 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
         configure_logging=False,
         namespace=run.path.name,
         object_store_memory=OBJECT_STORE_BYTES,
+        runtime_env=WORKER_SETUP,
     )
     return temp_dir
 

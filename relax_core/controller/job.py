@@ -69,6 +69,7 @@ class Job:
         self.api = None  # the control API (api.py)
         self.slots = None  # controller/gpu_slots.py: what each trainer rank and engine asks Ray for
         self.bus = None  # TransferQueue (asynchronous modes)
+        self._bus_start: Future | None = None  # the bus, starting in a thread (asynchronous modes)
         self.services = None  # relax_core.services.launch.ServiceSet (asynchronous modes)
         self.trainer_watch = None  # trainer ranks that stop answering are ended (restarts.py)
         self.rows_trained = 0  # asynchronous modes: rows trained on by this driver (for the queue depth)
@@ -104,6 +105,11 @@ class Job:
         self.engines = self._engine_set()
         engines_ready = self.engines.launch(self.recipe.rollout.num_engines)
         self._create_trainers()
+        if self.recipe.mode != "colocate":  # TransferQueue's processes start while the models load
+            from relax_core.data.bus import import_tq
+
+            import_tq()  # here, not in the thread: a second thread importing torch's modules may break them
+            self._bus_start = _in_thread(self._start_bus)
         if self.recipe.mode == "colocate":
             from relax_core.models.tokenizer import load_tokenizer
 
@@ -181,14 +187,18 @@ class Job:
         return load_tokenizer(self.model_dir, setup.trust_remote_code(self.recipe))
 
     def _start_services(self) -> None:
-        from relax_core.data.bus import SampleBus
         from relax_core.services.launch import ServiceSet
 
         self.services = ServiceSet.start(self._ray, self.recipe, model_dir=str(self.model_dir),
                                          api_key=self.run.secret(ENGINE_KEY), trainer0=self.trainers[0],
                                          engine0=self.engines.launched[0], cpu_sets=self.cpu_sets,
                                          train_threads=self._threads("train"))
-        self.bus = SampleBus.start(self.recipe.samples_per_step, max_partitions=self.recipe.rollout.max_staleness + 2)
+        self.bus = self._bus_start.result()
+
+    def _start_bus(self):
+        from relax_core.data.bus import SampleBus
+
+        return SampleBus.start(self.recipe.samples_per_step, max_partitions=self.recipe.rollout.max_staleness + 2)
 
     def _threads(self, group: str) -> int:
         """Torch threads per process: this node's cores of `group` split between the processes it hosts
@@ -241,7 +251,7 @@ class Job:
         sglang = self.recipe.rollout.engine == "sglang"  # loads weights by the model directory's own names
         megatron = setup.megatron_options(self.recipe)
         return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"),
-                               keep_live, sglang, megatron)
+                               keep_live, sglang, megatron, self.recipe.mode != "colocate")
                 for t in self.trainers]
 
     def _connect(self) -> None:
@@ -425,6 +435,11 @@ class Job:
             self.elastic.close()
         if self.services is not None:
             self.services.stop(self._ray)
+        if self.bus is None and self._bus_start is not None:  # a set-up that failed before it was taken
+            try:
+                self.bus = self._bus_start.result(timeout=120)
+            except Exception as exc:
+                log.warning("TransferQueue did not start: %s", exc)
         if self.bus is not None:
             self.bus.close()
         end_actors(self._ray, self.trainers, "trainers", method="close")

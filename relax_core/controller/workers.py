@@ -143,12 +143,13 @@ class TrainerWorker:
                              timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
 
     def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None,
-              keep_live: bool = True, checkpoint_names: bool = False, megatron=None) -> int:
+              keep_live: bool = True, checkpoint_names: bool = False, megatron=None, bus: bool = False) -> int:
         """Join the group and load the model. `keep_live` (sharded): rank 0 keeps the whole weights after
         every change (`_gather_live`); off where every rank hands its own buckets over instead.
         `checkpoint_names` (SGLang engines): weights go to the engines under the model directory's own
         names (`hf_media.checkpoint_named`: a multimodal model's differ from its parameters').
-        `megatron` (`MegatronOptions`): the megatron backend with this parallel layout."""
+        `megatron` (`MegatronOptions`): the megatron backend with this parallel layout. `bus`: the rows come
+        from TransferQueue (asynchronous modes), imported here rather than in the first step's read."""
         import torch
         import torch.distributed as dist
 
@@ -182,6 +183,10 @@ class TrainerWorker:
 
             self.trainer = TorchTrainer(model_dir, config)
         self._gather_live()
+        if bus:
+            from relax_core.data.bus import import_tq
+
+            import_tq()
         return self.rank
 
     @property

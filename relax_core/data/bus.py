@@ -78,6 +78,25 @@ def _put_order_sampler():
     return PutOrderSampler()
 
 
+def import_tq():
+    """The `transfer_queue` module, imported with its thread count set for this machine, and without
+    torch's compiler (cluster/tq_import.py). The first import still costs 2-3 CPU-seconds (torch,
+    tensordict, TransferQueue's own modules): a process that attaches later imports it while the job
+    starts (its constructor, the local driver while Ray starts), not in its first step. Call it from one
+    thread at a time: two threads importing torch's modules at once may each see the other's
+    half-initialised."""
+    import psutil
+
+    from relax_core.cluster.tq_import import install
+
+    # TQ warns on every put/get when its thread count exceeds the cores; read at its import
+    os.environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or 1)))
+    install()
+    import transfer_queue
+
+    return transfer_queue
+
+
 def _storage_units() -> int:
     """One storage unit per training node (the rows' readers): Relax's own actors hold no Ray CPU, and
     each training node adds one CPU for its unit (cluster/node.py; two on one machine, local_driver.py)."""
@@ -106,12 +125,9 @@ class SampleBus:
     @classmethod
     def start(cls, samples_per_step: int, max_partitions: int) -> SampleBus:
         """Start TransferQueue's controller/storage in the connected Ray cluster."""
-        import psutil
         import ray
 
-        # TQ warns on every put/get when its thread count exceeds the cores; read at its import
-        os.environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or 1)))
-        import transfer_queue as tq
+        tq = import_tq()
         from omegaconf import OmegaConf
 
         from relax_core.cluster.node import TRAIN_RESOURCE
@@ -137,11 +153,7 @@ class SampleBus:
     @classmethod
     def attach(cls) -> SampleBus:
         """The bus the driver started, from another process of the same Ray cluster (a service, a rank)."""
-        import psutil
-
-        os.environ.setdefault("TQ_NUM_THREADS", str(min(8, psutil.cpu_count(logical=False) or 1)))
-        import transfer_queue as tq
-
+        tq = import_tq()
         tq.init()  # a controller runs: this only connects a client to it
         return cls(tq.get_client(), owner=False)
 

@@ -41,6 +41,10 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
         # The model directory (and the import of torch and transformers it takes) while Ray starts,
         # which mostly waits for its processes; the job then finds it ready.
         model_dir = pool.submit(prepare_model_dir, recipe, run)
+        if recipe.mode != "colocate":  # TransferQueue's import too (4-6 CPU-s), which the job needs first
+            from relax_core.data.bus import import_tq
+
+            bus_import = pool.submit(import_tq)
         log.info("starting a local Ray cluster")
         start_local_ray(run, num_cpus=cpus, resources=local_slots(recipe))
         log.info("Ray cluster up")
@@ -48,6 +52,8 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
         stop_on_signals(stop)  # after Ray's start-up, which installs a TERM handler of its own
         try:
             model_dir.result()
+            if recipe.mode != "colocate":
+                bus_import.result()
             return run_job(recipe, run, console, stop=stop, cpu_sets=local_cpu_sets(recipe))
         finally:
             log.info("job closed; stopping Ray")

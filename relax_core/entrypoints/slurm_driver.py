@@ -35,8 +35,11 @@ class StartupError(RuntimeError):
 def connect(head: str, namespace: str) -> bool:
     import ray
 
+    from relax_core.cluster.tq_import import WORKER_SETUP
+
     try:
-        ray.init(address=head, log_to_driver=False, configure_logging=False, namespace=namespace)
+        ray.init(address=head, log_to_driver=False, configure_logging=False, namespace=namespace,
+                 runtime_env=WORKER_SETUP)
         return True
     except (ConnectionError, RuntimeError) as exc:
         log.info("Ray head %s not reachable yet: %s", head, exc)

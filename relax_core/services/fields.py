@@ -45,10 +45,12 @@ class _FieldWorker:
         import torch
 
         from relax_core.controller.workers import pin_process
+        from relax_core.data.bus import import_tq
 
         if cpus:
             pin_process(cpus)
         torch.set_num_threads(threads)
+        import_tq()  # now, while the job starts, not in the first step
         self.bus = None  # TransferQueue, attached on the first step (it starts while the models load)
         self._attaching = threading.Lock()  # a threaded worker's first calls may come together
         self.rows = 0  # processed so far (tests and logs)

@@ -78,6 +78,9 @@ class RolloutService:
         if cpus:
             pin_process(cpus)
         torch.set_num_threads(1)  # tokenizing and packing columns: no intra-op work worth threads
+        from relax_core.data.bus import import_tq
+
+        import_tq()  # now, while the engines load; attached in `start`, once the driver started it
         self.recipe, self.api_key, self.trainer0 = recipe, api_key, trainer0
         self.loop = asyncio.new_event_loop()
         tokenizer = load_tokenizer(model_dir, setup.trust_remote_code(recipe))
