@@ -325,7 +325,7 @@ class Job:
             stats = self._ray.get([t.hand_over_weights.remote(version) for t in self.trainers])[0]
         else:
             try:
-                stats = self._ray.get(self.trainers[0].sync_weights.remote(version))
+                stats = self._watched(self.trainers[0].sync_weights.remote(version))
             except Exception as exc:  # an engine died: replaced, it and the others get these weights then
                 if self.recovery is None:
                     raise
@@ -335,6 +335,16 @@ class Job:
                 stats = {"sync_version": float(version if version is not None else self.policy_version)}
         self.policy_version = int(stats.get("sync_version", version or 0))
         return stats
+
+    def _watched(self, ref):
+        """`ray.get(ref)` of a weight sync, with the engines' health watch meanwhile in colocate (in the
+        asynchronous modes the recovery desk watches all the time): an engine stopped during the sync
+        would hold it forever; the watch ends it, and the sync fails and takes the recovery path."""
+        if self.recovery is None or self.services is not None:
+            return self._ray.get(ref)
+        while not self._ray.wait([ref], timeout=self.recovery.check_every_s)[0]:
+            self.loop.run_until_complete(self.recovery.check())
+        return self._ray.get(ref)
 
     def checkpoint(self, step: int, data_state: dict | None = None) -> None:
         """Save every rank's state (rank 0 adds the critic service's); `data_state`: the prompt cursor as of
