@@ -31,6 +31,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for dotted, value, item in parsed:
         set_dotted(raw, dotted, value, item)
     _anchor_plugin_dirs(raw, path.parent)
+    _anchor_rollout_paths(raw, path.parent)
     try:
         return Recipe.model_validate(raw)
     except ValidationError as exc:
@@ -44,6 +45,26 @@ def _anchor_plugin_dirs(raw: dict[str, Any], base: Path) -> None:
     dirs = reward.get("plugin_dirs") if isinstance(reward, dict) else None
     if isinstance(dirs, list):
         reward["plugin_dirs"] = [str((base / d).resolve()) if _relative_path(d) else d for d in dirs]
+
+
+def _anchor_rollout_paths(raw: dict[str, Any], base: Path) -> None:
+    """`rollout.env.path` and `rollout.agent.cwd` are next to the recipe too (an unset cwd: its folder)."""
+    rollout = raw.get("rollout")
+    if not isinstance(rollout, dict):
+        return
+    env, agent = rollout.get("env"), rollout.get("agent")
+    if isinstance(env, dict) and isinstance(env.get("path"), str) and _relative_path(env["path"]):
+        env["path"] = str((base / env["path"]).resolve())
+    args = env.get("args") if isinstance(env, dict) else None
+    if isinstance(env, dict) and env.get("name") == "tools" and env.get("path") is None and isinstance(args, dict) \
+            and _relative_path(args.get("tools")):  # the built-in tool environment's file
+        args["tools"] = str((base / args["tools"]).resolve())
+    if isinstance(agent, dict):
+        cwd = agent.get("cwd")
+        if cwd is None:
+            agent["cwd"] = str(base.resolve())
+        elif isinstance(cwd, str) and _relative_path(cwd):
+            agent["cwd"] = str((base / cwd).resolve())
 
 
 def read_recipe_file(path: Path) -> tuple[dict[str, Any], str]:

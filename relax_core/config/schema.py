@@ -196,6 +196,40 @@ DataConfig = Annotated[
 
 
 # ------------------------------------------------------------------- rollout
+class EnvConfig(Section):
+    """A multi-turn environment (rollout/envs.py): the model's turn is generated, the environment answers as
+    the next user or tool message, until it says done, `max_turns` or the token budget ends the trajectory."""
+
+    path: str | None = None
+    """Python file defining the environment class (relative to the recipe file); unset: a built-in
+    environment (`tools`: the model calls the Python functions of `args.tools` in Qwen's `<tool_call>` form)."""
+    name: str = Field(min_length=1)
+    """The class in `path` (or the built-in's name) implementing `reset(sample)`, `step(response)` and
+    `close()` (rollout/envs.py: `Environment`)."""
+    max_turns: int = Field(4, ge=1)
+    """Model turns per trajectory at most."""
+    max_tokens_per_turn: int | None = Field(None, ge=1)
+    """Longest model turn in tokens; null: what is left of the trajectory's budget (`rollout.max_new_tokens`
+    covers every token after the prompt: the model's turns and the environment's answers)."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment's constructor (one instance per trajectory)."""
+
+
+class AgentConfig(Section):
+    """Agent programs (rollout/agent_app.py): one process per trajectory that talks to the policy through an
+    OpenAI-compatible endpoint Relax serves for that trajectory; every call is recorded for training."""
+
+    command: str = Field(min_length=1)
+    """Shell command started per trajectory. It finds `OPENAI_BASE_URL` and `OPENAI_API_KEY` (the
+    trajectory's key), the task in `RELAX_TASK_FILE` (JSON: prompt, label, metadata) and writes its reward
+    (a number) to `RELAX_REWARD_FILE`."""
+    cwd: str | None = None
+    """Folder the command runs in (relative to the recipe file); unset: the recipe's folder."""
+    timeout_s: float = Field(60.0, gt=0.0)
+    """Time limit of one program: past it the program's whole process group is killed and the trajectory
+    scores 0 (counted as `agent_timeouts`)."""
+
+
 class RolloutConfig(Section):
     """Generation: engines, sampling, and how far rollout may run ahead of training."""
 
@@ -238,9 +272,24 @@ class RolloutConfig(Section):
     against SGLang's server arguments (the installed SGLang's, else the pinned version's); the ones Relax
     sets itself (model path, host, port, TP size, seed, ...) are refused. The cpu engine takes none."""
 
+    env: EnvConfig | None = None
+    """Multi-turn rollouts with an environment (agentic RL): see `EnvConfig`. Unset: one response per prompt."""
+    agent: AgentConfig | None = None
+    """Multi-turn rollouts driven by an agent program of your own: see `AgentConfig`."""
+
     @property
     def uses_router(self) -> bool:
         return self.router if self.router is not None else self.num_engines > 1
+
+    @property
+    def agentic(self) -> bool:
+        return self.env is not None or self.agent is not None
+
+    @model_validator(mode="after")
+    def _one_driver(self) -> RolloutConfig:
+        if self.env is not None and self.agent is not None:
+            raise ValueError("env and agent both drive the turns of a trajectory: set one of them")
+        return self
 
 
 # --------------------------------------------------------------------- train
@@ -634,7 +683,7 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> Recipe:
         problems = _mode_problems(self) + _engine_problems(self) + _train_problems(self) + _algorithm_problems(self)
-        problems += _judge_problems(self)
+        problems += _judge_problems(self) + _agent_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -754,6 +803,13 @@ def _judge_problems(r: Recipe) -> list[str]:
         return ["reward.genrm.model: reward genrm needs a judge model: set reward.genrm.model to a model "
                 "directory or hub id (Relax starts and stops its engines), or export RELAX_GENRM_URL with the "
                 "address of a judge server of your own"]
+    return []
+
+
+def _agent_problems(r: Recipe) -> list[str]:
+    if r.rollout.agent is not None and not r.data.apply_chat_template:
+        return ["data.apply_chat_template: an agent program sends chat messages, which only the chat template turns "
+                "into tokens; set it to true"]
     return []
 
 

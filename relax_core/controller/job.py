@@ -279,7 +279,8 @@ class Job:
         if self._media is None:
             self._media = setup.media_prompts(self.recipe, self.model_dir)
         return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system, self._media,
-                              self.recipe.data.apply_chat_template, recovery=self.recovery)
+                              self.recipe.data.apply_chat_template, recovery=self.recovery,
+                              agentic=setup.agentic(self.recipe, self.tokenizer))
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:

@@ -208,5 +208,26 @@ def sampling_config(recipe: Recipe):
         # per request, and each sample has its own seed); the group's routing key keeps a prompt's
         # samples on one engine, whose prefix cache then serves the whole group.
         max_request_batch=1 if ro.uses_router else ro.max_concurrency,
-        seed=recipe.train.seed,
+        seed=recipe.train.seed, max_concurrency=ro.max_concurrency,
     )
+
+
+def agentic(recipe: Recipe, tokenizer):
+    """What runs multi-turn trajectories for the rollout manager (`rollout.env` or `rollout.agent`); None
+    without either."""
+    from relax_core.config.schema import FileData
+
+    ro = recipe.rollout
+    if not ro.agentic:
+        return None
+    from relax_core.rollout.chat_turns import ChatTurns
+
+    system = recipe.data.system_prompt if isinstance(recipe.data, FileData) else None
+    chat = ChatTurns(tokenizer, recipe.data.apply_chat_template, system)
+    if ro.env is not None:
+        from relax_core.rollout.multiturn import EnvEpisodes
+
+        return EnvEpisodes(ro.env, chat, ro.max_new_tokens, ro.max_prompt_len)
+    from relax_core.rollout.agent_app import AgentPrograms
+
+    return AgentPrograms(ro.agent, chat, ro.max_new_tokens, ro.max_prompt_len)

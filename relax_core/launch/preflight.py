@@ -34,6 +34,7 @@ def preflight(recipe: Recipe, recipe_path: str | Path, executor) -> None:
     problems = unavailable_features(recipe) + resource_problems(recipe) + reference_problems(recipe)
     problems += _memory_saver_problems(recipe) + _reward_problems(recipe) + _multimodal_problems(recipe)
     problems += _context_problems(recipe) + _tokenizer_problems(recipe) + _remote_code_problems(recipe)
+    problems += agentic_problems(recipe)
     _raise_if(problems + executor.problems(recipe), recipe_path)
 
 
@@ -41,7 +42,7 @@ def refuse_unavailable(recipe: Recipe, recipe_path: str | Path) -> None:
     """`relax validate`: a recipe this version cannot run on any executor (or whose processes do not fit
     its node groups, or whose media do not decode) is an error there too."""
     problems = unavailable_features(recipe) + resource_problems(recipe) + _memory_saver_problems(recipe)
-    _raise_if(problems + _multimodal_problems(recipe), recipe_path)
+    _raise_if(problems + _multimodal_problems(recipe) + agentic_problems(recipe), recipe_path)
 
 
 def _raise_if(problems: list[str], recipe_path: str | Path) -> None:
@@ -49,6 +50,18 @@ def _raise_if(problems: list[str], recipe_path: str | Path) -> None:
         lines = "\n".join(f"  {p}" for p in problems)
         raise RecipeError(f"{recipe_path}: cannot run this recipe ({len(problems)} problem(s)); "
                           f"nothing was started\n{lines}")
+
+
+def agentic_problems(recipe: Recipe) -> list[str]:
+    """`rollout.env`: its file imports and its class takes `args`; `rollout.agent`: its folder exists."""
+    ro = recipe.rollout
+    if ro.env is not None:
+        from relax_core.rollout.envs import env_problems
+
+        return env_problems(ro.env)
+    if ro.agent is not None and ro.agent.cwd is not None and not Path(ro.agent.cwd).expanduser().is_dir():
+        return [f"rollout.agent.cwd: folder '{ro.agent.cwd}' does not exist"]
+    return []
 
 
 def _reward_problems(recipe: Recipe) -> list[str]:
@@ -205,7 +218,7 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     the version that builds a backend deletes its line here. `rollout.engine_args` is checked here too,
     against the arguments of the SGLang that would run them, so `relax validate` catches a wrong key.
     """
-    problems = _engine_problems(recipe) + _media_model_problems(recipe)
+    problems = _engine_problems(recipe) + _media_model_problems(recipe) + _agentic_media_problems(recipe)
     if recipe.train.backend == "megatron":
         problems += _megatron_problems(recipe)
     if recipe.logging.uses("clearml"):
@@ -219,6 +232,22 @@ def unavailable_features(recipe: Recipe) -> list[str]:
                         "on CPU); set it to 0, or leave cluster.reference out to compute the reference "
                         "log-probs in the trainer's processes")
     return problems
+
+
+def _agentic_media_problems(recipe: Recipe) -> list[str]:
+    """Multi-turn rollouts are text-only in this version: images that accumulate over turns are not built."""
+    ro = recipe.rollout
+    if not ro.agentic:
+        return []
+    field = "rollout.env" if ro.env is not None else "rollout.agent"
+    media = (isinstance(recipe.model, TinyModel) and recipe.model.architecture != "qwen3") or \
+        (isinstance(recipe.data, SyntheticData) and recipe.data.task in MEDIA_TASKS) or \
+        (isinstance(recipe.data, FileData) and any((recipe.data.image_key, recipe.data.video_key,
+                                                    recipe.data.audio_key)))
+    if media:
+        return [f"{field}: multi-turn rollouts with images, video or audio {_NOT_YET} (text models and data only); "
+                "drop the media columns, or drop the environment to train single-turn"]
+    return []
 
 
 def _megatron_problems(recipe: Recipe) -> list[str]:

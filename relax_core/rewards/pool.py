@@ -58,11 +58,12 @@ def _call(registry, name: str, module: str, args: tuple) -> tuple[str, Any]:
 
 
 class _Worker:
-    """One `python -m relax_core.rewards.worker` process, spoken to with pickles over its stdin/stdout."""
+    """One `python -m MODULE ARGS...` process (`relax_core.rewards.worker` and the plug-in folders, or
+    `relax_core.rollout.tool_worker` and a tools file), spoken to with pickles over its stdin/stdout."""
 
-    def __init__(self, plugin_dirs: list[str]):
+    def __init__(self, args: list[str], module: str = "relax_core.rewards.worker"):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "relax_core.rewards.worker", *plugin_dirs],
+            [sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env())
         self.broken: str | None = None
         self.ready = False
@@ -70,7 +71,7 @@ class _Worker:
     def wait_ready(self) -> None:
         if self.ready or self.broken:
             return
-        status, detail = self._receive(_START_TIMEOUT_S) or ("broken", "reward worker did not start in time")
+        status, detail = self._receive(_START_TIMEOUT_S) or ("broken", "worker did not start in time")
         self.ready, self.broken = status == "ready", detail
         if not self.ready:
             self.process.kill()  # so the pool replaces it
@@ -97,7 +98,7 @@ class _Worker:
             return pickle.load(self.process.stdout)
         except (EOFError, pickle.UnpicklingError, OSError):
             self.process.wait(timeout=10)
-            return "error", f"reward worker died (exit code {self.process.returncode})"
+            return "error", f"worker died (exit code {self.process.returncode})"
 
     @property
     def alive(self) -> bool:
@@ -123,10 +124,13 @@ def _worker_env() -> dict[str, str]:
 
 
 class WorkerPool:
-    """`size` reward worker processes; `await pool.call(...)` runs one reward call in one of them."""
+    """`size` worker processes; `await pool.call(...)` runs one call (a reward's, a tool's) in one of them."""
 
-    def __init__(self, size: int, plugin_dirs: list[str] | tuple[str, ...] = ()):
-        self.size, self.plugin_dirs = size, [str(d) for d in plugin_dirs]
+    def __init__(self, size: int, plugin_dirs: list[str] | tuple[str, ...] = (),
+                 module: str = "relax_core.rewards.worker"):
+        """`module`: the workers' entry point, given `plugin_dirs` as its arguments (rewards/worker.py's
+        protocol: "ready" first, then one pickled reply per pickled `(name, module, args)`)."""
+        self.size, self.plugin_dirs, self.module = size, [str(d) for d in plugin_dirs], module
         self._idle: queue.Queue[_Worker] = queue.Queue()
         self._threads = ThreadPoolExecutor(max_workers=size, thread_name_prefix="relax-reward")
         self._lock = threading.RLock()
@@ -138,7 +142,7 @@ class WorkerPool:
         self._spare: _Worker | None = self._start()
 
     def _start(self) -> _Worker:
-        worker = _Worker(self.plugin_dirs)
+        worker = _Worker(self.plugin_dirs, self.module)
         with self._lock:
             self._workers.add(worker)
         return worker
@@ -149,7 +153,7 @@ class WorkerPool:
 
     def _call_blocking(self, name: str, module: str, args: tuple, timeout_s: float) -> Outcome:
         worker = self._idle.get()
-        outcome = Outcome("error", error="reward worker failed")
+        outcome = Outcome("error", error="worker failed")
         try:
             outcome = worker.call(name, module, args, timeout_s)
         finally:

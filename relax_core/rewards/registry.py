@@ -15,18 +15,15 @@ in worker processes with a time limit for the rest.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import inspect
-import sys
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from relax_core.errors import UserError
+from relax_core.plugin_files import import_file
 
 RewardFn = Callable[[str, Any, dict], Any]
 
@@ -131,26 +128,6 @@ def load_plugin_dir(folder: str | Path) -> list[Path]:
 def _import_plugin(file: Path) -> None:
     if file in _LOADED_FILES:
         return
-    digest = hashlib.sha1(str(file).encode()).hexdigest()[:8]
-    module_name = f"relax_reward_plugins.{file.stem}_{digest}"
-    _PLUGIN_SOURCES[module_name] = str(file)
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # SyntaxError, ImportError, anything its top level raises
-        sys.modules.pop(module_name, None)
-        where = _plugin_line(exc, file)
-        raise RewardPluginError(
-            f"reward plugin {file}{where} failed to import: {type(exc).__name__}: {exc}"
-        ) from None
+    import_file(file, "relax_reward_plugins", RewardPluginError, "reward plugin",
+                before_exec=lambda name: _PLUGIN_SOURCES.__setitem__(name, str(file)))
     _LOADED_FILES.add(file)
-
-
-def _plugin_line(exc: BaseException, file: Path) -> str:
-    """':LINE' of the deepest frame of the traceback inside `file`, if any."""
-    if isinstance(exc, SyntaxError) and exc.lineno:
-        return f":{exc.lineno}"
-    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == file]
-    return f":{lines[-1]}" if lines else ""

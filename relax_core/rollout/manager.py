@@ -44,10 +44,13 @@ class SamplingConfig:
     top_k: int = -1
     max_request_batch: int = 64
     seed: int = 0
+    max_concurrency: int = 64  # multi-turn: trajectories in flight per engine client
 
 
 MAX_RECOVERIES = 3  # engine replacements within one generation round before the step fails
 GROUP_STRIDE = 1_000_000  # group id = step key * GROUP_STRIDE + prompt row: unique over a run
+TURN_STRIDE = 1_000  # multi-turn: turn t of sample i samples with the seed of index i * TURN_STRIDE + t
+SEGMENT_STRIDE = 64  # agent programs: segment j of trajectory i has sample id i * SEGMENT_STRIDE + j
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:
@@ -58,13 +61,17 @@ def sample_seed(seed: int, step: int, index: int) -> int:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], tokenizer, sampling: SamplingConfig,
                  reward_fn: RewardHub | Callable[[str, Any, dict], float], system_prompt: str | None = None,
-                 media: MediaPrompts | None = None, chat_template: bool = True, recovery=None):
+                 media: MediaPrompts | None = None, chat_template: bool = True, recovery=None, agentic=None):
         """`reward_fn`: a `RewardHub` (worker pool, time limits, per-sample routing), or a plain
         function, which is wrapped in a hub that calls it in-process. `media`: prepares the rows that
         carry images, video or audio (rollout/prompt_prep.py); without it rows are text. `chat_template`:
         `data.apply_chat_template` (false: a text prompt's own tokens). `recovery`: replaces engines that die or
         hang during a step (controller/recovery.py's `EngineRecovery`: `check_every_s`, `check()`,
-        `recover(error)` -> the new clients); None: an engine's failure ends the step with its error."""
+        `recover(error)` -> the new clients); None: an engine's failure ends the step with its error.
+        `agentic`: multi-turn trajectories instead of one response per sample (`rollout.env`: multiturn.py's
+        `EnvEpisodes`, `rollout.agent`: agent_app.py's `AgentPrograms`): `await agentic.run(row, turn)` gives
+        a prompt's trajectory (or several segments of one), `turn(ids, max_new_tokens, index)` generating on
+        the trajectory's engine."""
         self.clients, self.tokenizer, self.sampling = clients, tokenizer, sampling
         self.reward_hub = reward_fn if isinstance(reward_fn, RewardHub) else RewardHub.from_function(reward_fn)
         self.system_prompt, self.chat_template = system_prompt, chat_template
@@ -73,9 +80,12 @@ class RolloutManager:
         self.resent = 0  # samples sent again after their engine was replaced (so far in the run)
         self.recovery = recovery
         self.last_reward_stats: dict[str, float] = empty_stats()
+        self.agentic = agentic
 
     async def generate(self, rows: list[dict[str, Any]], step: int) -> list[Sample]:
         """Responses to `rows` (dicts with prompt, label, metadata), scored."""
+        if self.agentic is not None:
+            return await self._generate_trajectories(rows, step)
         prompts = await self._encode(rows)
         outputs = await self._generate(prompts, step)
         raise_if_aborted(list(outputs.values()))
@@ -147,16 +157,100 @@ class RolloutManager:
         raise RuntimeError(f"the engines failed {MAX_RECOVERIES + 1} times in one step; see the engine logs "
                            "under the run's logs/ directory")
 
-    async def _watched(self, work) -> None:
+    async def _watched(self, work):
         """Await `work` while the recovery's watch asks every engine for /health (an engine that does not
         answer in time is ended, so that its requests fail and are sent again)."""
         if self.recovery is None or self.recovery.check_every_s is None:
-            await work
-            return
+            return await work
         task = asyncio.ensure_future(work)
         while not (await asyncio.wait({task}, timeout=self.recovery.check_every_s))[0]:
             await self.recovery.check()
-        task.result()
+        return task.result()
+
+    # ------------------------------------------------------------------ multi-turn
+    async def _generate_trajectories(self, rows: list[dict[str, Any]], step: int) -> list[Sample]:
+        """Every row's n trajectories (multiturn.py), scored: by the environment, or by the reward hub on the
+        last model turn where the environment left the reward to it. An engine that fails mid-step is replaced
+        and the step's trajectories run again from their start (same seeds, new environments)."""
+        from relax_core.rollout.multiturn import Trajectory, trajectory_stats
+
+        n = self.sampling.n_samples_per_prompt
+        for _ in range(MAX_RECOVERIES + 1):
+            try:
+                results = await self._watched(self._run_trajectories(rows, step))
+                break
+            except (httpx.TransportError, EngineError) as exc:
+                if self.recovery is None:
+                    raise
+                await self.set_clients(await self.recovery.recover(exc))
+                self.resent += len(rows) * n
+                log.warning("running the step's %d trajectories again after an engine was replaced", len(rows) * n)
+        else:
+            raise RuntimeError(f"the engines failed {MAX_RECOVERIES + 1} times in one step; see the engine logs "
+                               "under the run's logs/ directory")
+        samples: list[Sample] = []
+        to_score: list[tuple[Sample, str, str | None]] = []
+        done: list[Trajectory] = []
+        for row_index, row in enumerate(rows):
+            runs = results[row_index * n:(row_index + 1) * n]
+            skipped = next((r for r in runs if isinstance(r, Skipped)), None)
+            if skipped is not None:
+                self.dropped_prompts += 1
+                log.warning("skipped a prompt (row %d of the step): %s", row_index, skipped.reason)
+                continue
+            group_id = step * GROUP_STRIDE + row_index
+            for k, run in enumerate(runs):
+                segments = run if isinstance(run, list) else [run]
+                for j, traj in enumerate(segments):
+                    sample_id = group_id * n + k if len(segments) == 1 and not isinstance(run, list) else \
+                        (group_id * n + k) * SEGMENT_STRIDE + j
+                    sample = traj.sample(group_id, sample_id, row)
+                    samples.append(sample)
+                    done.append(traj)
+                    if traj.reward is None:
+                        to_score.append((sample, traj.last_text, row.get("reward")))
+        if to_score:
+            await self._score(to_score)
+        else:
+            self.last_reward_stats = empty_stats()
+        self.last_reward_stats |= trajectory_stats(done) | self.agentic.step_stats()
+        self.last_reward_stats["prompts_skipped"] = float(self.dropped_prompts)
+        self.last_reward_stats["samples_resent"] = float(self.resent)
+        return samples
+
+    async def _run_trajectories(self, rows: list[dict[str, Any]], step: int) -> list:
+        """All trajectories of the step, concurrently (at most `max_concurrency` per engine client); the first
+        failure cancels the rest and is raised."""
+        n, s = self.sampling.n_samples_per_prompt, self.sampling
+        clients = list(self.clients)
+        limit = asyncio.Semaphore(s.max_concurrency * len(clients))
+
+        async def one(row_index: int, k: int):
+            index = row_index * n + k
+            client = clients[row_index % len(clients)]  # all of a prompt's trajectories on one engine
+
+            async def turn(ids: list[int], max_new_tokens: int, turn_index: int):
+                seed = sample_seed(s.seed, step, index * TURN_STRIDE + turn_index)
+                params = {"max_new_tokens": max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
+                          "top_k": s.top_k, "sampling_seed": seed}
+                raw = await client.generate(ids, sampling_params=params, return_logprob=True,
+                                            routing_key=f"{step}-{row_index}")
+                return parse_generate_output(raw[0] if isinstance(raw, list) else raw)
+
+            async with limit:
+                return await self.agentic.run(rows[row_index], turn)
+
+        tasks = [asyncio.ensure_future(one(r, k)) for r in range(len(rows)) for k in range(n)]
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # a failure, or this step being cancelled: nothing of it keeps running
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        failed = next((t for t in tasks if not t.cancelled() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+        return [task.result() for task in tasks]
 
     async def _request(self, client: EngineClient, chunk: list[tuple[Prompt, int]], step: int):
         s = self.sampling
@@ -193,6 +287,8 @@ class RolloutManager:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self.clients))
+        if self.agentic is not None:
+            self.agentic.close()
 
     def close(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close the HTTP clients (in the loop they were used on)."""

@@ -131,7 +131,8 @@ class RolloutService:
         self.reward_hub = RewardHub.from_config(self.recipe.reward, judge=judge)
         self.manager = RolloutManager(self._clients(endpoints), self.tokenizer, setup.sampling_config(self.recipe),
                                       self.reward_hub, self.system, self.media, self.recipe.data.apply_chat_template,
-                                      recovery=_DriverRecovery(self))
+                                      recovery=_DriverRecovery(self),
+                                      agentic=setup.agentic(self.recipe, self.tokenizer))
         self.engine_version = self._version = engine_version
         self.downstream = downstream
         self._thread = threading.Thread(target=self._run, args=(first, last), name="relax-rollout", daemon=True)
