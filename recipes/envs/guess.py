@@ -1,10 +1,11 @@
 """A two-turn guessing game with feedback: the environment of recipes/quickstart_agent.yaml.
 
-The secret is the data row's label (a string of the data set's symbols); the
-model never sees it. It guesses, and the environment answers position by
-position: `=` where the guess was right, the secret's symbol where it was not.
-The model's second turn is scored by the share of positions it gets right; a
-first guess that is right in full scores 1 at once.
+The secret is the data row's label (a string of the data set's symbols; one
+symbol in the quick start); the model never sees it. It guesses, and the
+environment answers position by position: `=` where the guess was right, the
+secret's symbol where it was not. The model's second turn is scored by the
+share of positions it gets right; a first guess that is right in full scores
+1 at once.
 
     user: ?            assistant: ab        (secret "cb")
     user: c=           assistant: cb        reward 1.0

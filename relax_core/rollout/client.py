@@ -22,6 +22,7 @@ import httpx
 
 # sglang-router's header naming a request's routing key (its `manual` policy: one engine per key).
 ROUTING_KEY_HEADER = "x-smg-routing-key"
+KEEPALIVE_S = 2.0  # below the engines' keep-alive time-out
 
 
 class EngineError(RuntimeError):
@@ -100,7 +101,10 @@ class EngineClient:
             base_url=self.base_url,
             headers=headers,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            # Idle connections are closed here before the server's keep-alive (uvicorn's, SGLang's: 5 s) closes them,
+            # so a request is never sent on a connection the server is closing (httpx.ReadError).
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=KEEPALIVE_S),
         )
 
     async def aclose(self) -> None:

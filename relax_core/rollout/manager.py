@@ -233,8 +233,14 @@ class RolloutManager:
                 seed = sample_seed(s.seed, step, index * TURN_STRIDE + turn_index)
                 params = {"max_new_tokens": max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                           "top_k": s.top_k, "sampling_seed": seed}
-                raw = await client.generate(ids, sampling_params=params, return_logprob=True,
-                                            routing_key=f"{step}-{row_index}")
+                for attempt in range(2):  # a connection the server closed under the request: once more, same seed
+                    try:
+                        raw = await client.generate(ids, sampling_params=params, return_logprob=True,
+                                                    routing_key=f"{step}-{row_index}")
+                        break
+                    except (httpx.ReadError, httpx.RemoteProtocolError):
+                        if attempt:
+                            raise
                 return parse_generate_output(raw[0] if isinstance(raw, list) else raw)
 
             async with limit:
