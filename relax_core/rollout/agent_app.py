@@ -188,7 +188,7 @@ def _error(status: int, message: str, kind: str):
 
 def build_app(sessions: dict[str, Session]):
     """The endpoint: `POST /v1/chat/completions` and `GET /v1/models`, each trajectory by its key."""
-    app = FastAPI(title="Relax agent endpoint", docs_url=None, redoc_url=None)
+    app = FastAPI(title="Relax agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
     def session_of(request: Request) -> Session | None:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -262,6 +262,7 @@ class AgentPrograms:
         self.config, self.chat = config, chat
         self.max_new_tokens, self.max_prompt_len = max_new_tokens, max_prompt_len
         self.endpoint: Endpoint | None = None
+        self._starting: asyncio.Lock | None = None  # the first trajectories of a step start the endpoint once
         self.workdir = Path(tempfile.mkdtemp(prefix="relax-agents-"))  # 0700: the tasks hold labels
         self._stats = self._zero()
         self._logged: set[str] = set()
@@ -278,8 +279,11 @@ class AgentPrograms:
         return stats
 
     async def run(self, row: dict[str, Any], turn: TurnFn) -> list[Trajectory]:
-        if self.endpoint is None:
-            self.endpoint = await asyncio.to_thread(Endpoint)
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.endpoint is None:
+                self.endpoint = await asyncio.to_thread(Endpoint)
         key = secrets.token_urlsafe(24)
         session = Session(self.chat, turn, self.max_new_tokens, self.max_prompt_len, asyncio.get_running_loop())
         folder = Path(tempfile.mkdtemp(prefix="t-", dir=self.workdir))

@@ -29,6 +29,7 @@ from relax_core.data.prompts import encode_prompt
 from relax_core.rewards.hub import RewardHub, RewardItem, empty_stats
 from relax_core.rollout.client import EngineClient, EngineError, GenerationAborted, parse_generate_output
 from relax_core.rollout.prompt_prep import MediaPrompts, Prompt, Skipped
+from relax_core.rollout.turn_batch import TurnBatcher
 from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,7 @@ class RolloutManager:
         n, s = self.sampling.n_samples_per_prompt, self.sampling
         clients = list(self.clients)
         limit = asyncio.Semaphore(s.max_concurrency * len(clients))
+        batcher = TurnBatcher(s.max_request_batch)
 
         async def one(row_index: int, k: int):
             index = row_index * n + k
@@ -233,15 +235,7 @@ class RolloutManager:
                 seed = sample_seed(s.seed, step, index * TURN_STRIDE + turn_index)
                 params = {"max_new_tokens": max_new_tokens, "temperature": s.temperature, "top_p": s.top_p,
                           "top_k": s.top_k, "sampling_seed": seed}
-                for attempt in range(2):  # a connection the server closed under the request: once more, same seed
-                    try:
-                        raw = await client.generate(ids, sampling_params=params, return_logprob=True,
-                                                    routing_key=f"{step}-{row_index}")
-                        break
-                    except (httpx.ReadError, httpx.RemoteProtocolError):
-                        if attempt:
-                            raise
-                return parse_generate_output(raw[0] if isinstance(raw, list) else raw)
+                return await batcher.generate(client, ids, params, routing_key=f"{step}-{row_index}")
 
             async with limit:
                 return await self.agentic.run(rows[row_index], turn)

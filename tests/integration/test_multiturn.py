@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -247,6 +248,8 @@ def test_agent_programs_calls_are_recorded_with_masks_and_a_hung_one_is_killed(s
     try:
         samples = loop.run_until_complete(manager.generate(rows, step=1))
         stats = manager.last_reward_stats
+        # One endpoint serves every trajectory of the process, however many started at once.
+        assert sum(t.name == "relax-agent-endpoint" for t in threading.enumerate()) == 1
         pids = [int(p) for p in (folder / "hang.lock").read_text().split()]
         for pid in pids:  # the hung program and its child: killed with their process group (SIGKILL)
             assert gone(pid), f"process {pid} outlived its program's time limit"
