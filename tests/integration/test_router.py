@@ -248,3 +248,47 @@ def test_router_requires_its_key_and_binds_only_its_host(engines, make_router):
 async def _generate_with_key(url: str, key: str | None, body: dict):
     async with EngineClient(url, api_key=key, timeout=60) as client:
         return await client.generate(**body)
+
+
+def test_every_turn_of_a_multi_turn_trajectory_goes_to_its_prompts_engine(
+        engines, make_router, tiny_model_dir, tmp_path):  # noqa: F811
+    """Behind the router each turn is a request of its own; the prompt's routing key keeps all turns of all
+    its trajectories on one engine, whose prefix cache then holds their growing context."""
+    from test_multiturn import ENV
+
+    from relax_core.config.schema import EnvConfig
+    from relax_core.models.tokenizer import load_tokenizer
+    from relax_core.rollout.chat_turns import ChatTurns
+    from relax_core.rollout.manager import RolloutManager, SamplingConfig
+    from relax_core.rollout.multiturn import EnvEpisodes
+
+    seen: dict[str, set] = collections.defaultdict(set)
+
+    class Recorded(EnvEpisodes):
+        async def run(self, row, turn):
+            async def recorded(ids, max_new_tokens, index):
+                out = await turn(ids, max_new_tokens, index)
+                seen[row["prompt"]].add(out.weight_version)  # the engine's label
+                return out
+
+            return await super().run(row, recorded)
+
+    router = make_router("a", "b", engines=engines)
+    (tmp_path / "counter.py").write_text(ENV)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    episodes = Recorded(EnvConfig(path=str(tmp_path / "counter.py"), name="Counter", max_turns=3,
+                                  max_tokens_per_turn=2), ChatTurns(tokenizer), 64, 64)
+    sampling = SamplingConfig(n_samples_per_prompt=3, max_new_tokens=64, max_prompt_len=64, max_request_batch=1)
+    rows = [{"prompt": p, "label": p, "metadata": {}} for p in ("ab", "ba", "cd", "dc", "ad", "da")]
+
+    async def run():
+        manager = RolloutManager([EngineClient(router.url, api_key=API_KEY)], tokenizer, sampling,
+                                 lambda text, label, meta: 0.0, agentic=episodes)
+        try:
+            return await manager.generate(rows, step=1)
+        finally:
+            await manager.aclose()
+
+    samples = asyncio.run(run())
+    assert len(samples) == 18 and all(s.metadata["turns"] == 3 for s in samples)
+    assert {p: len(labels) for p, labels in seen.items()} == {r["prompt"]: 1 for r in rows}, dict(seen)
