@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
+from agentic_runs import REPO, two_step_run
 
 from relax_core.rollout.tools import ToolEnv, close_pools, parse_calls, tool_schema
 
-REPO = Path(__file__).resolve().parents[2]
 TOOLS = '''
 import time
 
@@ -127,23 +124,11 @@ class Scripted(ToolEnv):
 def test_a_run_whose_tool_calls_fail_every_way_completes_every_step(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS)
     (tmp_path / "scripted.py").write_text(SCRIPTED)
-    recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
-    recipe["name"] = "tools"
-    recipe["model"]["alphabet"] = "abcd0123456789"
-    recipe["data"]["apply_chat_template"] = True
-    recipe["rollout"] |= {"prompts_per_step": 2, "n_samples_per_prompt": 2, "max_new_tokens": 400,
-                          "env": {"path": "scripted.py", "name": "Scripted", "max_turns": 6, "max_tokens_per_turn": 2,
-                                  "args": {"tools": str(tmp_path / "tools.py"), "timeout_s": 2.0, "workers": 1}}}
-    recipe["train"] |= {"steps": 2, "micro_batch_size": 4}
-    recipe["checkpoint"] = {"interval": 2}
-    (tmp_path / "tools.yaml").write_text(yaml.safe_dump(recipe))
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "relax_cli.main", "submit", "tools.yaml", "--executor", "local",
-                           "--run-dir", "runs/tools"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "runs/tools/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
+    env = {"path": "scripted.py", "name": "Scripted", "max_turns": 6, "max_tokens_per_turn": 2,
+           "args": {"tools": str(tmp_path / "tools.py"), "timeout_s": 2.0, "workers": 1}}
+    rows = two_step_run(tmp_path, "tools", {"max_new_tokens": 400, "env": env},
+                        model=dict(yaml.safe_load((REPO / "recipes/quickstart.yaml").read_text())["model"],
+                                   alphabet="abcd0123456789"))
     for r in rows:  # each of the 4 trajectories a step met every fault, then a working call and its answer
         assert r["env/tool_malformed"] == r["env/tool_unknown"] == r["env/tool_errors"] == 1.0
         assert r["env/tool_timeouts"] == 1.0 and r["env/tool_calls"] == 5.0
