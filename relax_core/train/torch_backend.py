@@ -94,31 +94,33 @@ class _Mini:
 
 @dataclass
 class _Totals:
-    """What a step's updates add up to: policy metric sums, grad norms, the ratio's range, critic sums."""
+    """What a step's updates add up to, kept on the trainer's device until the step ends (one host copy
+    then, not one per micro-batch): policy metric sums, grad norms, the ratio's range, critic sums."""
 
-    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(_SUMS), dtype=torch.float64))
-    extremes: torch.Tensor = field(  # [-min, max] of the ratio over masked tokens (one MAX all-reduce)
-        default_factory=lambda: torch.full((2,), -math.inf, dtype=torch.float64))
-    grad_norms: list[float] = field(default_factory=list)
-    critic: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))  # loss, clipped, tokens
+    sums: torch.Tensor | None = None  # float64 [len(_SUMS)]
+    extremes: torch.Tensor | None = None  # float64 [-min, max] of the ratio over masked tokens (one MAX all-reduce)
+    grad_norms: list[torch.Tensor | float] = field(default_factory=list)
+    critic: torch.Tensor | None = None  # float64 [loss, clipped, tokens]
     critic_updates: int = 0
 
-    def add_policy(self, sums: torch.Tensor, extremes: torch.Tensor, grad_norm: float) -> None:
-        self.sums += sums
-        torch.maximum(self.extremes, extremes, out=self.extremes)
+    def add_policy(self, sums: torch.Tensor, extremes: torch.Tensor, grad_norm: torch.Tensor | float) -> None:
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.extremes = extremes if self.extremes is None else torch.maximum(self.extremes, extremes)
         self.grad_norms.append(grad_norm)
 
     def add_critic(self, sums: torch.Tensor) -> None:
-        self.critic += sums
+        self.critic = sums if self.critic is None else self.critic + sums
         self.critic_updates += 1
 
 
 def _ratio_extremes(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`[-min, max]` of the ratio over the masked tokens (-inf, -inf when there are none)."""
-    picked = ratio.detach()[mask.bool()].to(torch.float64)
-    if picked.numel() == 0:
-        return torch.full((2,), -math.inf, dtype=torch.float64)
-    return torch.stack([-picked.min(), picked.max()])
+    """`[-min, max]` of the ratio over the masked tokens (-inf, -inf when there are none), float64 on the
+    ratio's device (no host copy: a selection by the mask would need one for its size)."""
+    picked = mask.bool()
+    ratio = ratio.detach().to(torch.float64)
+    none = torch.full_like(ratio, -math.inf)
+    return torch.stack([torch.where(picked, -ratio, none).amax(), torch.where(picked, ratio, none).amax()]) \
+        if ratio.numel() else torch.full((2,), -math.inf, dtype=torch.float64, device=ratio.device)
 
 
 def load_causal_lm(path: str | Path, dtype: str, device: str, trust_remote_code: bool = False) -> torch.nn.Module:
@@ -219,6 +221,10 @@ class TorchTrainer:
         from relax_core.models.multimodal import freeze
 
         return freeze(self.model, vision=cfg.freeze_vision, audio=cfg.freeze_audio)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.config.device)
 
     # ----------------------------------------------------------- distributed
     @property
@@ -344,7 +350,8 @@ class TorchTrainer:
                     totals.add_policy(*self._update(mini))
                 if self.critic is not None:
                     totals.add_critic(self._critic_update(mini))
-        self._all_reduce(totals.extremes, dist.ReduceOp.MAX)
+        if totals.extremes is not None:
+            self._all_reduce(totals.extremes, dist.ReduceOp.MAX)
         self.scheduler.step()
         self.step += 1
         return self._metrics(totals, lr, step_info)
@@ -508,13 +515,13 @@ class TorchTrainer:
         `[-min, max]` and the gradient norm before clipping.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
-        extremes = torch.full((2,), -math.inf, dtype=torch.float64)
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=self.device)
+        extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=self.device)
         for micro in mini.micros:
             loss, parts, micro_extremes = self._micro_loss(micro, mini)
             loss.backward()
             sums += parts
-            torch.maximum(extremes, micro_extremes, out=extremes)
+            extremes = torch.maximum(extremes, micro_extremes)
         if self.sharded:  # FSDP reduce-scattered (summed) each backward's gradients
             for _ in range(mini.passes - len(mini.micros)):
                 self._idle_pass(backward=True)
@@ -526,7 +533,7 @@ class TorchTrainer:
         if self.sharded:
             grad_norm = sharding.clip_grad_norm(params, max_norm, self.group)
         else:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
         self.optimizer.step()
         return sums, extremes, grad_norm
 
@@ -557,12 +564,12 @@ class TorchTrainer:
             "norm_len": mini.norm_len,
         }
         pg_loss = self._agg(per_token, mask, **norms)
-        loss, kl_loss, kl_sum = pg_loss, torch.zeros(()), 0.0
+        loss, kl_loss, kl_sum = pg_loss, torch.zeros((), device=logp.device), torch.zeros((), device=logp.device)
         if micro.logp_ref is not None and cfg.use_kl_loss:
             kl = self._kl_fn(logp, micro.logp_ref)
             kl_loss = self._agg(kl, mask, **norms)
             loss = loss + cfg.kl_coef * kl_loss
-            kl_sum = float((kl.detach() * mask).sum())
+            kl_sum = (kl.detach() * mask).sum()
         sums = self._metric_sums(pg_loss, kl_loss, kl_sum, out, entropy, weight, mask)
         return loss, sums, _ratio_extremes(out.ratio, mask)
 
@@ -570,20 +577,18 @@ class TorchTrainer:
     def _metric_sums(
         pg_loss, kl_loss, kl_sum, out, entropy, weight, mask
     ) -> torch.Tensor:
-        """The micro-batch's entries of `_SUMS` (token sums for the token-mean diagnostics).
+        """The micro-batch's entries of `_SUMS` (token sums for the token-mean diagnostics), float64 on the
+        loss's device: no host copy per micro-batch.
 
         `out` is the policy loss's output: `clipped` marks the tokens where
         the clip (or dual clip, or M2PO's drop) is active, `ratio` the ratio
         the loss clips (GSPO: its sequence ratio, on every token of the row).
         """
-        tis_sum = float((weight * mask).sum()) if weight is not None else 0.0
-        values = [
-            float(pg_loss.detach()),
-            float(kl_loss.detach()),
-            float((out.clipped * mask).sum()),
-        ]
-        values += [float((entropy * mask).sum()), kl_sum, tis_sum, float((out.ratio * mask).sum()), float(mask.sum())]
-        return torch.tensor(values, dtype=torch.float64)
+        zero = torch.zeros((), device=mask.device)
+        tis_sum = (weight * mask).sum() if weight is not None else zero
+        values = [pg_loss.detach(), kl_loss.detach(), (out.clipped * mask).sum(), (entropy * mask).sum(), kl_sum,
+                  tis_sum, (out.ratio.detach() * mask).sum(), mask.sum()]
+        return torch.stack([v.to(torch.float64) for v in values])
 
     def _critic_update(self, mini: _Mini) -> torch.Tensor:
         """One critic optimizer step on the mini-batch (token-mean clipped value loss); its metric sums."""
@@ -610,28 +615,37 @@ class TorchTrainer:
             offset += n
 
     def _metrics(self, totals: _Totals, lr: float, info: dict) -> dict:
-        s = dict(zip(_SUMS, totals.sums.tolist()))
-        tokens, updates = max(s["tokens"], 1.0), max(len(totals.grad_norms), 1)
+        """The step's metrics, copied to the host once (every figure of every update in one transfer)."""
+        updates = max(len(totals.grad_norms), 1)
+        on_device = [torch.zeros(len(_SUMS), dtype=torch.float64) if totals.sums is None else totals.sums,
+                     torch.full((2,), -math.inf, dtype=torch.float64) if totals.extremes is None else totals.extremes,
+                     *(torch.as_tensor(g, dtype=torch.float64) for g in totals.grad_norms)]
+        if totals.critic is not None:
+            on_device.append(totals.critic)
+        host = torch.cat([t.detach().to("cpu", torch.float64).reshape(-1) for t in on_device]).tolist()
+        s = dict(zip(_SUMS, host[: len(_SUMS)]))
+        extremes, grad_norms = host[len(_SUMS): len(_SUMS) + 2], host[len(_SUMS) + 2: len(_SUMS) + 2 + updates]
+        tokens = max(s["tokens"], 1.0)
         metrics = {
             "loss": (s["pg_loss"] + self.config.kl_coef * s["kl_loss"]) / updates,
             "pg_loss": s["pg_loss"] / updates,
             "clipfrac": s["clipped"] / tokens,
             "ratio_mean": s["ratio"] / tokens if s["tokens"] else 1.0,
             "entropy": s["entropy"] / tokens,
-            "grad_norm": sum(totals.grad_norms) / updates,
+            "grad_norm": sum(grad_norms[: len(totals.grad_norms)]) / updates,
             "lr": lr,
             "optimizer_steps": float(len(totals.grad_norms)),
             "num_tokens": s["tokens"] / self.config.num_epochs,  # learned tokens in the step
             **info,
         }
         if s["tokens"]:
-            metrics.update(ratio_min=-float(totals.extremes[0]), ratio_max=float(totals.extremes[1]))
+            metrics.update(ratio_min=-extremes[0], ratio_max=extremes[1])
         if self.config.use_kl_loss:
             metrics.update(kl_loss=s["kl_loss"] / updates, kl=s["kl"] / tokens)
         if self.config.tis_cap is not None:
             metrics["tis_weight"] = s["tis"] / tokens
-        if self.critic is not None:
-            metrics.update(critic_metrics(totals.critic, totals.critic_updates))
+        if totals.critic is not None:
+            metrics.update(critic_metrics(torch.tensor(host[-3:], dtype=torch.float64), totals.critic_updates))
         return metrics
 
     # --------------------------------------------------- sync and checkpoint
