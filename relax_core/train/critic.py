@@ -72,7 +72,7 @@ class Critic:
                  trust_remote_code: bool = False):
         self.model = ValueModel(path, dtype, trust_remote_code).to(device).eval()  # eval: no dropout, as the policy
         self.value_clip = value_clip
-        self.optimizer = build_optimizer(self.model.parameters(), lr=lr, weight_decay=weight_decay,
+        self.optimizer = build_optimizer(self.model.named_parameters(), lr=lr, weight_decay=weight_decay,
                                          betas=tuple(betas), eps=adam_eps)
 
     @classmethod

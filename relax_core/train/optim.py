@@ -16,19 +16,29 @@ SCHEDULES = ("constant", "cosine", "linear")
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter],
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
     *,
     lr: float,
     weight_decay: float,
     betas: tuple[float, float],
     eps: float,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (decoupled weight decay on all of them)."""
-    trainable = [p for p in params if p.requires_grad]
-    # foreach=False: the single-tensor path is cheaper for the many tiny tensors of small models on CPU.
-    return torch.optim.AdamW(
-        trainable, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=False
-    )
+    """AdamW over the trainable parameters: decoupled weight decay on the weight matrices and embeddings,
+    none on biases and norm weights (`decays`), as Megatron-LM and HF's Trainer do. On CUDA the fused
+    kernel (one launch for every tensor); on CPU the single-tensor path, cheaper for a small model's many
+    tiny tensors."""
+    trainable = [(name, p) for name, p in named_params if p.requires_grad]
+    groups = [{"params": [p for name, p in trainable if decays(name, p)], "weight_decay": weight_decay},
+              {"params": [p for name, p in trainable if not decays(name, p)], "weight_decay": 0.0}]
+    cuda = any(p.device.type == "cuda" for _, p in trainable)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                             **({"fused": True} if cuda else {"foreach": False}))
+
+
+def decays(name: str, param: torch.nn.Parameter) -> bool:
+    """Whether weight decay applies: to tensors of two or more dimensions, not to biases and norm weights
+    (one dimension each)."""
+    return param.dim() >= 2 and not name.endswith(".bias")
 
 
 def lr_lambda(

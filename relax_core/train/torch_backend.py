@@ -184,7 +184,7 @@ class TorchTrainer:
         self.last_returns: list[list[float]] | None = None  # this rank's GAE returns of the last step
         self.pad_id = pad_token_id(self.model)
         self.optimizer = build_optimizer(
-            [p for p in self.model.parameters() if p.requires_grad],
+            self.model.named_parameters(),
             lr=cfg.lr,
             weight_decay=cfg.weight_decay,
             betas=tuple(cfg.betas),

@@ -371,3 +371,23 @@ def test_second_epoch_is_clipped_against_the_pre_update_policy(model_dir):
     ).train_step(samples)
     assert one["num_tokens"] == sum(sum(s.loss_mask) for s in samples)
     assert metrics["num_tokens"] == one["num_tokens"]
+
+
+def test_weight_decay_shrinks_weight_matrices_but_never_norms_or_biases(model_dir):
+    """A step that learns nothing (every reward equal: advantages 0, no gradient) with weight decay: each
+    matrix shrinks by exactly lr x wd, each norm weight stays as it was (AdamW decays only the matrices)."""
+    lr, wd = 1e-2, 0.5
+    trainer = TorchTrainer(model_dir, TorchTrainerConfig(lr=lr, weight_decay=wd, micro_batch_size=8))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    samples = make_samples()
+    for s in samples:
+        s.reward = 1.0
+    trainer.train_step(samples)
+    after = dict(trainer.model.named_parameters())
+    norms = [n for n, p in before.items() if p.dim() == 1]
+    matrices = [n for n, p in before.items() if p.dim() >= 2]
+    assert norms and matrices
+    for name in norms:
+        assert torch.equal(after[name].detach(), before[name]), f"{name} was decayed"
+    for name in matrices:
+        torch.testing.assert_close(after[name].detach(), before[name] * (1 - lr * wd), rtol=0, atol=1e-7)
