@@ -35,6 +35,17 @@ prompts the first engine had already served, 6 or 7 of 16 groups per step
 were split over both engines and the added one got 18 to 46 of 128
 requests; with routing keys no group was split and it got 56 to 80.)
 
+Health: the router's own health checks are off (`--disable-health-check`; slime
+starts sglang-router the same way). Its checks GET each engine's `/health`
+every 60 s, and SGLang 0.5.23 answers `/health` by generating one token
+(`srt/entrypoints/http_server.py`, `health_generate`, which serves both
+`/health` and `/health_generate`) even while the engine has released its
+weights and KV cache (colocate's train phase): a forward pass on unmapped
+memory. Relax's own watch (controller/recovery.py) asks engines for `/health`
+only while they generate or receive weights, and replaces those that do not
+answer. The router still asks an engine for `/health` once, when it
+registers it (start, `add_engine`): an engine that joins holds its memory.
+
 Drained: the router does not report a removed worker's in-flight requests,
 so `remove_engine` watches the engine itself: SGLang's `GET /v1/loads`
 (running and waiting requests per data-parallel rank, summed) until it reads
@@ -129,6 +140,7 @@ class Router:
             "--tokenizer-path", self.tokenizer_path,
             "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
             "--log-level", self.log_level,
+            "--disable-health-check",  # why: the module docstring (Health)
             "--worker-urls", *worker_urls,
         ]  # fmt: skip
 

@@ -6,7 +6,9 @@ spread over the engines; the n samples of one prompt stay on one engine
 engine gets its share of new groups at once, even of prompts the first engine
 has already served; removing an engine loses none of its in-flight requests and sends
 it nothing afterwards; nobody without the key can use or command the router,
-which listens on the given address only.
+which listens on the given address only; the router never probes an engine's
+`/health` once it routes to it (SGLang answers one with a generation, also
+while the engine's memory is released).
 
 Which engine served a request is read from the engines themselves: each
 engine is started with its own `--weight-version` label, which it stamps on
@@ -17,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -292,3 +297,55 @@ def test_every_turn_of_a_multi_turn_trajectory_goes_to_its_prompts_engine(
     samples = asyncio.run(run())
     assert len(samples) == 18 and all(s.metadata["turns"] == 3 for s in samples)
     assert {p: len(labels) for p, labels in seen.items()} == {r["prompt"]: 1 for r in rows}, dict(seen)
+
+
+class ProbedEngine(BaseHTTPRequestHandler):
+    """An engine that records every request it gets (path and time) and answers like SGLang's server."""
+
+    seen: list[tuple[float, str]] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(length)
+        ProbedEngine.seen.append((time.monotonic(), self.path.split("?")[0]))
+        item = {"text": "a", "output_ids": [5], "meta_info": {"finish_reason": {"type": "length"},
+                                                              "weight_version": "p"}}
+        data = json.dumps(item if self.path.startswith("/generate") else {}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def probed_engine():
+    ProbedEngine.seen = []
+    server = ThreadingHTTPServer((HOST, 0), ProbedEngine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://{HOST}:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_router_never_probes_an_engines_health_once_it_routes_to_it(
+        probed_engine, tiny_model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """sglang-router checks /health every 60 s unless told not to; here its interval is 1 s, so three
+    seconds would hold about three probes, each a one-token generation on SGLang (memory released or not)."""
+    router = Router(HOST, free_port(), str(tiny_model_dir), API_KEY, str(tmp_path / "router.log"))
+    command = router.command
+    monkeypatch.setattr(router, "command", lambda urls: command(urls) + ["--health-check-interval-secs", "1"])
+    with router:
+        router.start([probed_engine])
+        routed = time.monotonic()
+        answer = asyncio.run(_generate_with_key(router.url, API_KEY, {"input_ids": [5, 6]}))
+        time.sleep(3.5)
+    assert answer["meta_info"]["weight_version"] == "p"
+    probes = [path for at, path in ProbedEngine.seen if at > routed and path.startswith("/health")]
+    assert probes == [], ProbedEngine.seen
+    assert "/generate" in [path for _, path in ProbedEngine.seen]
