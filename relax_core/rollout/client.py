@@ -87,16 +87,25 @@ class EngineClient:
     Args:
         base_url: e.g. "http://10.0.0.5:30000".
         api_key: sent as `Authorization: Bearer ...` (SGLang's `--api-key`).
-        timeout: seconds per request (generation included).
+        timeout: seconds per control request (health, info, weight sync, memory, pause); not generation.
         max_connections: concurrent requests to this engine; keep it at least
             the engine's `--max-running-requests` so batching is not starved.
+        generate_timeout: seconds one `/generate` may take, waiting for a connection included; None (the
+            default): as long as the engine works on it. No fixed bound fits generation: an 8k-token response
+            queued behind a full batch on a busy engine takes many minutes, and cutting it off fails the step.
+            An engine that dies closes the connection (the request fails at once: connection reset or
+            refused), and one that hangs is ended by the health watch (controller/recovery.py), which
+            fails the request the same way; either way it is sent again once the engine is replaced.
     """
 
     def __init__(
-        self, base_url: str, api_key: str | None = None, timeout: float = 600.0, max_connections: int = 512
+        self, base_url: str, api_key: str | None = None, timeout: float = 600.0, max_connections: int = 512,
+        generate_timeout: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Connecting stays bounded: an engine that is gone refuses or drops connections within seconds.
+        self._generate_timeout = httpx.Timeout(generate_timeout, connect=min(timeout, 30.0))
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
@@ -136,7 +145,7 @@ class EngineClient:
         body.update({k: v for k, v in (("input_ids", input_ids), ("text", text), ("rid", rid)) if v is not None})
         body.update(extra)
         headers = {ROUTING_KEY_HEADER: routing_key} if routing_key is not None else None
-        return await self._post_json("/generate", body, headers=headers)
+        return await self._post_json("/generate", body, headers=headers, timeout=self._generate_timeout)
 
     async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """End request `rid`, or every request the engine holds (`abort_all`); they answer with finish
@@ -284,8 +293,9 @@ class EngineClient:
             raise EngineError(self.base_url + path, response.status_code, _error_message(response))
         return response
 
-    async def _post_json(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
-        return (await self._request("POST", path, json=body, headers=headers)).json()
+    async def _post_json(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                         **kwargs: Any) -> Any:
+        return (await self._request("POST", path, json=body, headers=headers, **kwargs)).json()
 
     async def _post_result(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         result = await self._post_json(path, body)
