@@ -53,7 +53,7 @@ def save_checkpoint(
             dicts/lists of tensors and picklable objects, or objects with
             `state_dict()`/`load_state_dict()` (saved via their state dict).
             Model weights go under "model" (what `export_hf` reads). A section
-            may be one rank's alone (rank 0 saves the critic service's).
+            may be one rank's alone.
         keep_last: keep this many newest iterations (older ones are deleted
             after the new one is marked latest); None keeps all.
         extra_files: small files (name -> content) stored in the iteration dir.

@@ -191,8 +191,7 @@ class Job:
 
         self.services = ServiceSet.start(self._ray, self.recipe, model_dir=str(self.model_dir),
                                          api_key=self.run.secret(ENGINE_KEY), trainer0=self.trainers[0],
-                                         engine0=self.engines.launched[0], cpu_sets=self.cpu_sets,
-                                         train_threads=self._threads("train"))
+                                         engine0=self.engines.launched[0], cpu_sets=self.cpu_sets)
         self.bus = self._bus_start.result()
 
     def _start_bus(self):
@@ -234,8 +233,7 @@ class Job:
     def _create_trainers(self) -> None:
         world = self.recipe.train_ranks
         # Four threads (asynchronous modes): while a step trains, rank 0 broadcasts the weights of the
-        # one before to the engines and hands them to the actor-forward worker, and every rank reads
-        # the next step's rows from TransferQueue.
+        # one before to the engines, and every rank reads the next step's rows from TransferQueue.
         actor = self._ray.remote(max_concurrency=4)(TrainerWorker)
         self.trainers = [actor.options(**self.slots.trainer_options(r)).remote(r, world) for r in range(world)]
         self.engines.trainer0 = self.trainers[0]
@@ -348,15 +346,12 @@ class Job:
         return self._ray.get(ref)
 
     def checkpoint(self, step: int, data_state: dict | None = None) -> None:
-        """Save every rank's state (rank 0 adds the critic service's); `data_state`: the prompt cursor as of
-        this step (when rollout runs ahead)."""
+        """Save every rank's state; `data_state`: the prompt cursor as of this step (when rollout runs ahead)."""
         data = data_state if data_state is not None else self.prompts.state_dict()
         progress = {"step": step, "data": data, "policy_version": step,
                     "engines_added": self.elastic.started_by_scale() if self.elastic is not None else 0}
         keep = self.recipe.checkpoint.keep_last
-        critic = self.services.critic_state() if self.services is not None else None
-        self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep, critic if rank == 0 else None)
-                       for rank, t in enumerate(self.trainers)])
+        self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep) for t in self.trainers])
         self.checkpointed = step
         self.run.update_state(checkpoint_step=step)
         if self.notifier is not None:

@@ -100,7 +100,7 @@ def resolve_model_path(path: str) -> Path:
 
 def trainer_config(recipe: Recipe):
     """The torch backend's settings for this recipe."""
-    from relax_core.services.launch import actor_forward_service, critic_service, reference_service
+    from relax_core.services.launch import reference_service
     from relax_core.train.config import TorchTrainerConfig
 
     train, algo = recipe.train, recipe.algorithm
@@ -114,8 +114,7 @@ def trainer_config(recipe: Recipe):
         selection_kwargs=algo.selection_kwargs(), loss_agg=algo.loss_agg,
         norm_len=algo.norm_len or recipe.rollout.max_new_tokens,
         use_kl_loss=algo.kl_loss_coef > 0, kl_coef=algo.kl_loss_coef, use_reference=algo.uses_reference,
-        reference_service=reference_service(recipe), actor_forward_service=actor_forward_service(recipe),
-        critic_service=critic_service(recipe),
+        reference_service=reference_service(recipe),
         kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed,
         dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe), samples_per_step=recipe.samples_per_step,
         **_teacher(algo), **_critic(algo), **_torch_backend(recipe), **_megatron_backend(recipe),

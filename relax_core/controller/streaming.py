@@ -5,23 +5,23 @@
     step s: wait for version >= s-1-max_staleness    step s: record s from the rollout service
             newest weights -> engines                        wait for its downstream services
             generate, score -> TransferQueue s               claim the complete rows (metadata)
-            ask reference / actor-forward /                  each trainer rank reads its shard from
-            advantage / critic services to process s;        TransferQueue and trains (rank 0 keeps
-            record s                                         version s aside); publish s (to the rollout
-                                                             and the actor-forward worker); the critic
-                                                             trains on s (PPO); free s once it has read it
+            ask the reference / advantage                    each trainer rank reads its shard from
+            services to process s; record s                  TransferQueue and trains (rank 0 keeps
+                                                             version s aside); publish s to the rollout;
+                                                             free s
                                                              check: every sample once, staleness kept
     told to stop (job.stop)? the engines abort the step being generated, which is dropped; the driver
     checkpoints the last step it trained, with the prompt cursor as of that step, and returns "stopped"
 
 The two modes differ in who computes the reference log-probs and the
-advantages: in `fully_async` the reference workers and the advantage service
-write them into each step's rows (services/fields.py; advantages where the
-estimator is outcome-only, else the trainer computes them), and PPO's critic
-is a service of its own (services/critic.py: values into the rows, then its
-update on the returns the trainer ranks write back, whose metrics join the
-step's); in `hybrid` the trainer ranks compute all of it in their own
-processes, as in colocate.
+advantages: in `fully_async` the reference workers (on a node group of their
+own) and the advantage service write them into each step's rows
+(services/fields.py; advantages where the estimator is outcome-only, else the
+trainer computes them); in `hybrid` the trainer ranks compute all of it in
+their own processes, as in colocate. In both, the trainer ranks compute what
+depends on the weights the step starts from: logp_old, the anchor of the
+ratio and of the importance weight (the step logs its version,
+`logp_old_version`, always `step - 1`), and PPO's critic values.
 Truncated importance sampling corrects for the samples' age by default in
 both (algorithm.tis_cap). Engine changes requested meanwhile are applied with
 the rollout service held at a safe point (between two batches).
@@ -36,7 +36,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from statistics import fmean
-from typing import Any
 
 from relax_core.controller.job import Job
 from relax_core.controller.preemption import Preempted
@@ -59,9 +58,6 @@ def train_streaming(job: Job) -> str:
     total = job.recipe.train.steps
     start = job.resume()
     services, ray = job.services, job._ray
-    if job.policy_version > 0:  # resumed: the actor-forward and critic workers hold the model directory's
-        services.send_weights(job.trainers[0], job.policy_version)
-        services.load_critic(ray, job.ckpt_dir, start)
     ray.get(services.rollout.start.remote(start + 1, total, job.engines.endpoints(), job.prompts.state_dict(),
                                           job.policy_version, services.downstream, job.judge))
     world, fields = len(job.trainers), services.fields
@@ -89,11 +85,9 @@ def train_streaming(job: Job) -> str:
             train_metrics, ids, versions = job.train_results(refs)
             done = time.perf_counter()
             services.rollout.publish.remote(step)
-            services.send_weights(job.trainers[0])
-            critic = services.update_critic(step, record.count)  # on the returns the ranks wrote
             job.policy_version = step
             books = Books(step, record, ids, versions, engine_stats | train_metrics, dispatched - last_done,
-                          done - dispatched, done - last_done, critic)
+                          done - dispatched, done - last_done)
             last_done = done
             checkpoint = step % job.recipe.checkpoint.interval == 0 or step == total
             # the next step's rows are read already: start it first, write these records while it trains
@@ -112,8 +106,7 @@ def train_streaming(job: Job) -> str:
 
 @dataclass
 class Books:
-    """A trained step's records, written (checks, metrics, freed partition) while the next step trains;
-    `critic`: the ref of the critic service's update on the step (its metrics), which reads the partition."""
+    """A trained step's records, written (checks, metrics, freed partition) while the next step trains."""
 
     step: int
     record: StepRecord
@@ -123,12 +116,9 @@ class Books:
     idle_s: float  # the trainer ranks waited for this step's rows (or for the driver) this long
     train_s: float
     step_s: float
-    critic: Any = None
 
     def write(self, job: Job) -> None:
         check_trained(self.step, self.record, self.ids, self.versions, job.recipe.rollout.max_staleness)
-        if self.critic is not None:
-            self.metrics |= job._ray.get(self.critic)  # it read the rows before the partition goes
         job.bus.clear(self.step)
         job.rows_trained += len(self.ids)
         depth = job._ray.get(job.services.rollout.produced.remote()) - job.rows_trained

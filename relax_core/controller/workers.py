@@ -32,7 +32,6 @@ from typing import Any
 
 from relax_core.cluster.lifetime import die_with_parent
 from relax_core.cluster.ports import listening_socket
-from relax_core.services.critic import RETURN_COLUMN, VALUE_COLUMN
 
 log = logging.getLogger(__name__)
 ENGINE_READY_TIMEOUT_S = 300.0
@@ -83,14 +82,19 @@ def collective_backend(device: str = "cpu") -> str:
 
 
 def trainer_device(config) -> str:
-    """`cuda` (the GPU Ray gave this actor, which CUDA_VISIBLE_DEVICES makes device 0) or `cpu`, as the
-    trainer config says; a GPU recipe on a node whose GPUs torch cannot see is an error naming them."""
-    if config.device != "cuda":
+    """The trainer rank's device as its config says (`accelerator`)."""
+    return accelerator(config.device, "cluster.train.gpus_per_node")
+
+
+def accelerator(device: str, field: str) -> str:
+    """`cuda` (the GPU Ray gave this actor, which CUDA_VISIBLE_DEVICES makes device 0) or `cpu`, as asked; a
+    GPU asked for (the recipe's `field` > 0) on a node whose GPUs torch cannot see is an error naming them."""
+    if device != "cuda":
         return "cpu"
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError(f"cluster.train.gpus_per_node > 0, but torch sees no GPU on this node "
+        raise RuntimeError(f"{field} > 0, but torch sees no GPU on this node "
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
     torch.cuda.set_device(0)
     return "cuda"
@@ -196,7 +200,7 @@ class TrainerWorker:
 
     def _gather_live(self) -> None:
         """Sharded: gather the weights whole after every change (every rank takes part), rank 0 keeping
-        them, so what reads the live weights on rank 0 alone (weight sync, the actor-forward service,
+        them, so what reads the live weights on rank 0 alone (weight sync,
         an added engine's resend) needs no other rank. Unsharded, rank 0 reads its own parameters."""
         if not (self._collective and self.keep_live):
             return
@@ -213,11 +217,10 @@ class TrainerWorker:
         return node_id()
 
     def train_step(self, samples: list, advantages: list[float] | None = None,
-                   snapshot_version: int | None = None, ref_logprobs: list | None = None,
-                   old_logprobs: list | None = None, values: list | None = None) -> dict[str, float]:
+                   snapshot_version: int | None = None, ref_logprobs: list | None = None) -> dict[str, float]:
         """One optimizer step. With `snapshot_version` (asynchronous modes, rank 0) the new weights are
         copied aside as that version, so `sync_weights` can broadcast them while the next step trains."""
-        metrics = self.trainer.train_step(samples, advantages, ref_logprobs, old_logprobs, values)
+        metrics = self.trainer.train_step(samples, advantages, ref_logprobs)
         self._gather_live()
         if snapshot_version is not None and self.rank == 0:
             copy = self.live if self._collective else [(n, t.detach().clone()) for n, t in self._live_weights()]
@@ -244,9 +247,8 @@ class TrainerWorker:
     def train_from_bus(self, meta, fields: tuple[str, ...], snapshot_version: int) -> dict[str, Any]:
         """One optimizer step on the rows `meta` claims, read here straight from TransferQueue (the
         driver handed over their metadata only), or (`meta` None) on those `prefetch` read for step
-        `snapshot_version`. With the critic service, the step's GAE returns of these rows are written
-        back as their `returns` column (the critic's targets). Returns the metrics and which samples
-        were trained on (ids and policy versions), for the driver's exactly-once and staleness checks."""
+        `snapshot_version`. Returns the metrics and which samples were trained on (ids and policy versions),
+        for the driver's exactly-once and staleness checks."""
         if meta is None:
             slot = self._slot(snapshot_version)
             slot[0].wait()
@@ -257,10 +259,7 @@ class TrainerWorker:
         else:
             fetched = self._fetch(meta, fields)
         meta, samples, extra, fetch_s = fetched
-        metrics = self.train_step(samples, extra.get("advantages"), snapshot_version, extra.get("ref_logprobs"),
-                                  extra.get("old_logprobs"), extra.get(VALUE_COLUMN))
-        if self.trainer.config.critic_service:
-            self.bus.write(meta, RETURN_COLUMN, self.trainer.last_returns)
+        metrics = self.train_step(samples, extra.get("advantages"), snapshot_version, extra.get("ref_logprobs"))
         return {"metrics": metrics | {"fetch_s": fetch_s}, "sample_ids": [s.sample_id for s in samples],
                 "versions": [s.policy_version for s in samples]}
 
@@ -273,18 +272,6 @@ class TrainerWorker:
         start = time.perf_counter()
         samples, extra = self.bus.fetch(meta, fields)
         return meta, samples, extra, time.perf_counter() - start
-
-    def policy_weights(self, version: int | None = None) -> tuple[int, list]:
-        """Rank 0: `(version, [(name, tensor), ...])` for the actor-forward service: the newest snapshot
-        (asynchronous modes, while the next step trains), or (`version` given, nothing training) the
-        live weights as that version."""
-        if version is None and self.snapshot is not None:
-            if self._fuse is not None:  # the actor-forward worker loads a transformers model
-                return self.snapshot[0], list(self._fuse(self.snapshot[1]))
-            return self.snapshot
-        version = self.trainer.step if version is None else version
-        named = self._live_weights() if self._fuse is None else self._fuse(self._live_weights())
-        return version, [(n, t.detach().clone()) for n, t in named]
 
     def connect_engines(self, urls: list[str], api_key: str, bucket_bytes: int, ranks_per_engine: int,
                         backend: str, sources: dict[str, list[int]] | None = None) -> None:
@@ -357,10 +344,8 @@ class TrainerWorker:
     def _megatron(self) -> bool:
         return hasattr(self.trainer, "sharded_state_dict")
 
-    def save_checkpoint(self, ckpt_dir: str, iteration: int, extra: dict[str, Any], keep_last: int,
-                        critic: dict | None = None) -> str:
-        """Save this rank's state (every rank calls it); `critic`: the critic service's state (rank 0,
-        fully_async), saved under the "critic" key, where the trainer's own critic would be."""
+    def save_checkpoint(self, ckpt_dir: str, iteration: int, extra: dict[str, Any], keep_last: int) -> str:
+        """Save this rank's state (every rank calls it)."""
         if self._megatron:
             from relax_core.checkpoint import megatron as megatron_ckpt
 
@@ -368,7 +353,7 @@ class TrainerWorker:
                                           hf_dir=self.model_dir))
         from relax_core.checkpoint import save_checkpoint
 
-        state = {**self.trainer.state_dict(), **({"critic": critic} if critic is not None else {}), "progress": extra}
+        state = {**self.trainer.state_dict(), "progress": extra}
         return str(save_checkpoint(ckpt_dir, iteration, state, keep_last=keep_last, hf_dir=self.model_dir))
 
     def load_checkpoint(self, ckpt_dir: str) -> dict[str, Any]:

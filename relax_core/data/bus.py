@@ -22,8 +22,6 @@ tensors per row (None for a text sample), never through JSON.
 
 A service's column is either one number per row (advantages) or one number
 per response token (reference log-probs: a list per row, as the log-probs).
-The trainer ranks write one column back (`write`): PPO's GAE returns, which
-the critic service reads for its update (services/critic.py).
 
 Which rows a consumer gets and that it gets each row once is TransferQueue's
 consumption tracking (one task name per consumer). TransferQueue reuses the
@@ -53,7 +51,7 @@ from relax_core.rollout.types import Sample
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
                   "policy_version", "sample_id", "finish_reason", "label", "metadata", "multimodal")
 # services' (and the trainer's) columns with one value per response token
-TOKEN_COLUMNS = frozenset({"ref_logprobs", "old_logprobs", "values", "returns"})
+TOKEN_COLUMNS = frozenset({"ref_logprobs"})
 TRAINER = "trainer"  # the consumer the trainer ranks' rows are claimed for
 SEQ = "relax_seq"  # put order, in each row's custom_meta
 POLL_S = 0.005  # TransferQueue's controller answers "not ready" at once in polling mode; we wait here
@@ -188,7 +186,7 @@ class SampleBus:
         self.write(meta, output, fn({name: _column(data[name], meta.size) for name in inputs}), consumer)
         return meta.size
 
-    def write(self, meta, name: str, values: list, writer: str = "trainer") -> None:
+    def write(self, meta, name: str, values: list, writer: str) -> None:
         """Write `values`, one per row of `meta` (claimed rows: a number, or a list of numbers for a
         per-token column), as column `name` of those rows."""
         from tensordict import TensorDict

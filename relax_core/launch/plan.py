@@ -12,8 +12,10 @@ The rules, one node group at a time:
                     with the trainer ranks (an engine releases its memory while they train); an engine's
                     rollout.gpus_per_engine GPUs (its tensor-parallel ranks) are on one node, so a node of
                     G GPUs holds G // gpus_per_engine engines, and the group nodes x that many
-    services        (fully_async, hybrid) beside trainer rank 0 or beside engine 0, on the CPU
-                    (services/launch.py), or one reference worker per node of `cluster.reference`
+    services        (fully_async, hybrid) the rollout and advantage services beside engine 0, on the CPU
+                    (services/launch.py); one reference worker per GPU of `cluster.reference` (per node
+                    of a CPU group); the critic and, without a reference group, the reference model
+                    live in the trainer ranks (their rows say so)
 
 The plan is computed from the recipe alone (no Ray, no torch), so it is the
 same on the login node and in tests; values only known when a process starts
@@ -166,8 +168,15 @@ class _Planner:
         return rows + [self.driver()]
 
     def trainers(self) -> list[Row]:
+        from relax_core.services import launch
+
         r = self.recipe
-        names = [f"trainer rank {rank} ({r.train.backend})" for rank in range(r.train_ranks)]
+        models = [name for name, on in (("the critic", r.algorithm.spec.needs_critic),
+                                         ("the reference model", r.algorithm.uses_reference
+                                          and not launch.reference_service(r)),
+                                         ("the teacher", r.algorithm.spec.needs_teacher)) if on]
+        what = r.train.backend + (f", with {' and '.join(models)}" if models else "")
+        names = [f"trainer rank {rank} ({what})" for rank in range(r.train_ranks)]
         if r.cluster.train.gpus_per_node:
             return [Row("train", *_gpu(trainer_gpu(r, rank)), name) for rank, name in enumerate(names)]
         return [Row("train", _only(r.cluster.train.nodes), self.cpu("train"), name) for name in names]
@@ -199,23 +208,21 @@ class _Planner:
         from relax_core.services import launch
 
         r = self.recipe
-        engine0, rank0 = self.engines()[0], self.trainers()[0]
+        engine0 = self.engines()[0]
         near_engines = (engine0.group, engine0.node, self.cpu(engine0.group, threads=1))
-        near_rank0 = (rank0.group, rank0.node, self.cpu("train", cores=launch.idle_cores(self.cpu_sets)))
         rows = [Row(*near_engines, "rollout service (beside engine 0)")]
         if launch.reference_service(r):
-            rows += self.reference_workers() or [Row(*near_rank0, "reference worker (beside trainer rank 0)")]
-        if launch.actor_forward_service(r):
-            rows.append(Row(*near_rank0, "actor-forward worker (beside trainer rank 0)"))
-        if launch.critic_service(r):
-            rows.append(Row(*near_rank0, "critic worker (beside trainer rank 0)"))
+            rows += self.reference_workers()
         if launch.advantage_service(r):
             rows.append(Row(*near_engines, "advantage service (beside engine 0)"))
         return rows
 
     def reference_workers(self) -> list[Row]:
-        """One per node of `cluster.reference` (none without it: the reference runs beside trainer rank 0)."""
+        """One per GPU of `cluster.reference`, or one per node of a CPU group (services/launch.py)."""
         own, pinned = self.recipe.cluster.reference, self.cpu_sets.get("reference")
+        if own.gpus_per_node:
+            return [Row("reference", node, f"GPU {gpu}", f"reference worker {node * own.gpus_per_node + gpu}")
+                    for node in range(own.nodes) for gpu in range(own.gpus_per_node)]
         cpu = self.cpu("reference", threads=len(pinned) if pinned else own.cpus_per_node)
         return [Row("reference", i, cpu, "reference worker") for i in range(own.nodes)]
 
@@ -304,7 +311,9 @@ def _group_lines(recipe: Recipe) -> list[str]:
             if recipe.reward.judge_engines:
                 uses.append(f"{recipe.reward.judge_engines} judge engine{_s(recipe.reward.judge_engines)} (CPU)")
         if name == "reference":
-            uses.append(f"{group.nodes} reference worker{_s(group.nodes)} (one per node, CPU)")
+            workers = group.nodes * (group.gpus_per_node or 1)
+            uses.append(f"{workers} reference worker{_s(workers)} "
+                        f"({'one per GPU' if group.gpus_per_node else 'one per node, CPU'})")
         lines.append(f"cluster.{name}: {size}: {', '.join(uses)}")
     return lines
 

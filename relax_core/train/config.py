@@ -50,9 +50,6 @@ class TorchTrainerConfig:
         reference_service: the reference log-probs come from the reference
             service (fully_async) with each step's samples; no reference model
             is loaded here.
-        actor_forward_service: logp_old (the policy's log-probs before the step's
-            first update) comes with the rows, from the actor-forward service
-            (fully_async), instead of a forward here.
         teacher_path: HF model directory of the distillation teacher (opd);
             its log-probs of the response tokens feed the estimator.
         teacher_dtype: the teacher's parameter dtype.
@@ -60,9 +57,6 @@ class TorchTrainerConfig:
         critic_path: HF directory the critic's body starts from; None = the policy's.
         critic_value_clip: eps_v of the clipped value loss.
         critic_warmup_steps: train steps during which only the critic is updated.
-        critic_service: the critic runs as a service of its own (fully_async,
-            services/critic.py): its values come with the samples, none is
-            built here, and each step leaves its GAE returns for its update.
         kl_coef: weight of the KL loss term.
         kl_estimator: "k1", "k2", "k3" (= "low_var_kl").
         tis_cap: truncated importance sampling cap C for the rollout/trainer
@@ -109,14 +103,12 @@ class TorchTrainerConfig:
     use_kl_loss: bool = False
     use_reference: bool = False
     reference_service: bool = False
-    actor_forward_service: bool = False
     teacher_path: str | None = None
     teacher_dtype: str = "float32"
     critic_lr: float | None = None
     critic_path: str | None = None
     critic_value_clip: float = 0.2
     critic_warmup_steps: int = 0
-    critic_service: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     tis_cap: float | None = None

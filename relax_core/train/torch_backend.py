@@ -22,9 +22,6 @@ that is empty on every rank is skipped.
 With a critic (PPO, critic.py) the step also reads its values before the
 update (they feed GAE) and takes one critic optimizer step per mini-batch
 after the policy's; a teacher (on-policy distillation) adds its log-probs.
-With the critic service (fully_async, services/critic.py) the values come
-with the samples, no critic is built here, and the step leaves its GAE
-returns in `last_returns` for the service's update.
 
 Loss normalisers (token and sequence counts) are summed over every
 micro-batch and rank of a mini-batch before the first backward, and gradients
@@ -178,9 +175,7 @@ class TorchTrainer:
         if cfg.teacher_path:
             self.teacher = load_causal_lm(cfg.teacher_path, cfg.teacher_dtype, cfg.device, cfg.trust_remote_code)
             self.teacher.requires_grad_(False)
-        self.critic = None  # with the critic service (fully_async) it runs in a process of its own
-        if cfg.critic_lr is not None and not cfg.critic_service:
-            self.critic = Critic.from_config(model_path, cfg)
+        self.critic = Critic.from_config(model_path, cfg) if cfg.critic_lr is not None else None
         self.last_returns: list[list[float]] | None = None  # this rank's GAE returns of the last step
         self.pad_id = pad_token_id(self.model)
         self.optimizer = build_optimizer(
@@ -305,8 +300,6 @@ class TorchTrainer:
     def train_step(
         self, samples: Sequence[Sample], advantages: Sequence[float] | None = None,
         ref_logprobs: Sequence[Sequence[float]] | None = None,
-        old_logprobs: Sequence[Sequence[float]] | None = None,
-        values: Sequence[Sequence[float]] | None = None,
     ) -> dict[str, float]:
         """One training step on this rank's shard of the step's samples.
 
@@ -316,31 +309,26 @@ class TorchTrainer:
         (one per local sample, e.g. from an advantage worker) is given.
         `ref_logprobs` (one list per local sample, per response token, from
         the reference service) replace the trainer's own reference forward;
-        required when the config says `reference_service`. `old_logprobs`
-        (likewise, from the actor-forward service) replace the forward that
-        computes logp_old before the first update; required when the config
-        says `actor_forward_service` and the step needs logp_old. `values`
-        (likewise, from the critic service) replace the critic's forward;
-        required when the config says `critic_service`, and the step then
-        leaves its GAE returns (the critic's targets) in `last_returns`.
+        required when the config says `reference_service`. logp_old (the
+        anchor of the ratio and of the importance weight) and PPO's values
+        are always computed here, with the weights the step starts from:
+        the metric `logp_old_version` says which (`self.step` before it).
 
         Returns:
             Metrics, equal on all ranks: loss, pg_loss, kl_loss, kl, clipfrac,
             ratio_mean/min/max (pi/pi_old over the learned tokens; min/max
             absent when none were learned), entropy, tis_weight (if TIS),
             grad_norm, lr, optimizer_steps, num_tokens, num_samples,
-            reward_mean, and with a critic here value_loss and vf_clipfrac.
+            reward_mean, logp_old_version, and with a critic value_loss and
+            vf_clipfrac.
             Token-level ones are token-means over all updates of the step;
             losses and grad_norm are means over its optimizer steps.
         """
         cfg = self.config
         if cfg.reference_service and ref_logprobs is None and (cfg.use_kl_loss or self._kl_in_reward):
             raise ValueError("the reference log-probs come from the reference service: pass ref_logprobs")
-        if cfg.actor_forward_service and old_logprobs is None and self._recomputes_logp_old:
-            raise ValueError("logp_old comes from the actor-forward service: pass old_logprobs")
-        if cfg.critic_service and values is None:
-            raise ValueError("the critic's values come from the critic service: pass values")
-        minis, step_info = self._minis(samples, advantages, ref_logprobs, old_logprobs, values)
+        minis, step_info = self._minis(samples, advantages, ref_logprobs)
+        step_info["logp_old_version"] = float(self.step)
         lr = self.scheduler.get_last_lr()[0]
         totals = _Totals()
         train_policy = not self._has_critic or self.step >= cfg.critic_warmup_steps
@@ -357,9 +345,7 @@ class TorchTrainer:
         return self._metrics(totals, lr, step_info)
 
     def _minis(self, samples: Sequence[Sample], advantages: Sequence[float] | None,
-               ref_logprobs: Sequence[Sequence[float]] | None = None,
-               old_logprobs: Sequence[Sequence[float]] | None = None,
-               values: Sequence[Sequence[float]] | None = None) -> tuple[list[_Mini], dict]:
+               ref_logprobs: Sequence[Sequence[float]] | None = None) -> tuple[list[_Mini], dict]:
         """This rank's shard cut into `num_mini_batches` mini-batches, all prepared before any update.
 
         logp_old, logp_ref and the critic's values of every mini-batch are
@@ -373,15 +359,14 @@ class TorchTrainer:
             return [rows[a:b] if rows is not None else None for a, b in zip(bounds, bounds[1:])]
 
         passes = self._passes([len(self._micro_bounds(part)) - 1 for part in parts])
-        micro_lists = [self._prepare(*args) for args in
-                       zip(parts, cut(ref_logprobs), cut(old_logprobs), cut(values), passes)]
+        micro_lists = [self._prepare(part, ref, passes=n) for part, ref, n in zip(parts, cut(ref_logprobs), passes)]
         step_info = self._set_advantages(samples, [m for ms in micro_lists for m in ms], advantages)
         minis = [self._normalisers(ms, part, n) for ms, part, n in zip(micro_lists, parts, passes)]
         return [mini for mini in minis if mini.seqs > 0], step_info
 
     @property
     def _has_critic(self) -> bool:
-        """PPO: a critic is trained (here, or by the critic service)."""
+        """PPO: a critic is trained."""
         return self.config.critic_lr is not None
 
     @property
@@ -464,35 +449,28 @@ class TorchTrainer:
 
     @torch.no_grad()
     def _prepare(self, samples: Sequence[Sample], ref_rows: Sequence[Sequence[float]] | None = None,
-                 old_rows: Sequence[Sequence[float]] | None = None,
-                 value_rows: Sequence[Sequence[float]] | None = None, passes: int = 0) -> list[_Micro]:
+                 passes: int = 0) -> list[_Micro]:
         """Pack one mini-batch and compute logp_old (when needed), logp_ref and the critic's values per
-        micro-batch (`ref_rows`, `old_rows`, `value_rows`: the reference, actor-forward and critic
-        services' numbers for these samples, instead of a forward here)."""
+        micro-batch, with the weights the step starts from (`ref_rows`: the reference service's numbers
+        for these samples, instead of a forward here)."""
         cfg = self.config
         micros = []
         bounds = self._micro_bounds(samples)
-        policy_forward = self._recomputes_logp_old and old_rows is None
 
         def given(rows, a: int, b: int, mb: MicroBatch) -> torch.Tensor:
             return pad_rows([list(r) for r in rows[a:b]], mb.loss_mask.shape[1]).to(cfg.device)
 
         for a, b in zip(bounds, bounds[1:]):
             mb = self._pack(samples[a:b])
-            logp_old = None
-            if self._recomputes_logp_old:
-                logp_old = given(old_rows, a, b, mb) if old_rows is not None else forward_logprobs(self.model, mb)[0]
+            logp_old = forward_logprobs(self.model, mb)[0] if self._recomputes_logp_old else None
             if ref_rows is not None:
                 logp_ref = given(ref_rows, a, b, mb)
             else:
                 logp_ref = forward_logprobs(self.ref_model, mb)[0] if self.ref_model is not None else None
             logp_teacher = forward_logprobs(self.teacher, mb)[0] if self.teacher is not None else None
-            if value_rows is not None:
-                values = given(value_rows, a, b, mb)
-            else:
-                values = self.critic.values(mb) if self.critic is not None else None
+            values = self.critic.values(mb) if self.critic is not None else None
             micros.append(_Micro(mb, logp_old, logp_ref, logp_teacher, values))
-        if self.sharded and policy_forward:
+        if self.sharded and self._recomputes_logp_old:
             for _ in range(passes - len(micros)):
                 self._idle_pass(backward=False)
         return micros

@@ -76,18 +76,26 @@ class Watched:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bound", [1, 2])
 @pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
-def test_no_consumed_sample_is_older_than_max_staleness(local_ray, tmp_path, monkeypatch, mode, one_torch_thread):
-    watched = Watched(tmp_path, monkeypatch, f"mode={mode}", "rollout.max_staleness=2", "train.steps=10")
+def test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_steps_start(
+        local_ray, tmp_path, monkeypatch, mode, bound, one_torch_thread):
+    """Two updates per step (global batch 8 of 16): the ratio's anchor, logp_old, is computed with the weights
+    each step starts from, whatever the rows' age (the per-token hand computation: test_logp_old_anchor.py)."""
+    watched = Watched(tmp_path, monkeypatch, f"mode={mode}", f"rollout.max_staleness={bound}", "train.steps=10",
+                      "train.global_batch_size=8", "train.micro_batch_size=8")
     assert watched.run_loop() == "completed"
     staleness = watched.staleness()
     assert len(staleness) == 10 * 16
-    assert min(staleness) >= 0 and max(staleness) <= 2
+    assert min(staleness) >= 0 and max(staleness) <= bound
     assert max(staleness) > 0  # rollout did run ahead: the bound was exercised, not trivially met
     assert sorted(watched.consumed_ids()) == sorted(watched.generated)
     rows = watched.run.read_metrics()
     assert [r["step"] for r in rows] == list(range(1, 11))
-    assert all(r["staleness_max"] <= 2 and r["queue_depth"] >= 0 for r in rows)
+    assert all(r["staleness_max"] <= bound and r["queue_depth"] >= 0 for r in rows)
+    assert [r["logp_old_version"] for r in rows] == list(range(10))
+    assert all(r["optimizer_steps"] == 2 for r in rows)
+    assert any(r["tis_weight"] != 1.0 for r in rows)  # the importance weight compared it with older policies
 
 
 @pytest.mark.slow
@@ -125,7 +133,8 @@ def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
 @pytest.mark.slow
 def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_the_driver(
         local_ray, tmp_path, monkeypatch, one_torch_thread):
-    """fully_async with the reference service on (a KL loss): 2 trainer ranks, 2 engines, 10 steps, nothing
+    """fully_async with the reference service on (a KL loss, a reference node group): 2 trainer ranks,
+    2 engines, 10 steps, nothing
     killed. The driver (this process) may not read a single row: its TransferQueue client refuses to."""
     from transfer_queue.client import AsyncTransferQueueClient, TransferQueueClient
 
@@ -139,7 +148,7 @@ def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_t
     monkeypatch.setattr(AsyncTransferQueueClient, "async_get_data", refuse)
     watched = Watched(tmp_path, monkeypatch, "mode=fully_async", "train.cpu_ranks_per_node=2",
                       "rollout.num_engines=2", "rollout.max_staleness=1", "algorithm.kl.coef=0.05",
-                      "train.steps=10")
+                      "cluster.reference.nodes=1", "train.steps=10")
     names = [d.name for d in watched.job.services.downstream]
     assert names == ["reference", "advantages"]
     assert watched.job.services.fields == ("ref_logprobs", "advantages")
@@ -172,51 +181,32 @@ def assert_same_steps(rows: list[dict], expected: list[dict], rel: float) -> Non
 
 
 @pytest.mark.slow
-def test_the_critic_and_actor_forward_services_train_as_the_trainer_would_and_resume(
-        local_ray, tmp_path, monkeypatch, one_torch_thread):
+def test_fully_async_ppo_trains_as_hybrid_does_and_resumes(local_ray, tmp_path, monkeypatch, one_torch_thread):
     """PPO, two ranks, two optimizer steps per step (global batch 8 of 16 samples), one critic warmup step.
 
-    In fully_async the actor-forward worker writes logp_old with the actor's weights it was handed, and the
-    critic is a service that writes the values and, after each step, takes the critic's optimizer steps on
-    the trainer's returns, cut into the trainer's mini-batches (part k of each rank's shard); in hybrid the
-    trainer ranks do all of it. At max_staleness 0 every step's numbers agree; the second update's ratio
-    leaves 1, so logp_old of the wrong weights would show. The fully_async run is stopped after the
-    checkpoint of step 2 and resumed: the critic reads its state back from the checkpoint (trainer rank 0
-    saved it with its own), the actor-forward worker gets the resumed weights, and step 3 still agrees."""
-    import ray
-
+    In both modes the trainer ranks compute logp_old with the weights the step starts from (each step logs
+    `logp_old_version` = step - 1) and hold the critic, whose values feed GAE and which takes one optimizer
+    step per mini-batch. At max_staleness 0 both modes train on the same rows, so every step's numbers
+    agree; the second update's ratio leaves 1, so logp_old of any other weights would show. The fully_async
+    run is stopped after the checkpoint of step 2 and resumed: the critic comes back from the checkpoint
+    with the policy, and step 3 still agrees."""
     common = ("train.cpu_ranks_per_node=2", "train.steps=3", "checkpoint.interval=2", *PPO)
     hybrid = Watched(tmp_path / "hybrid", monkeypatch, "mode=hybrid", *common)
-    assert hybrid.job.services.downstream == [] and hybrid.job.services.critic is None
+    assert hybrid.job.services.downstream == []
     assert hybrid.run_loop() == "completed"
     hybrid.on_train = lambda step: None  # the next Watched calls this one's check too
-    used = {"critic": {}, "actor_forward": {}}
-
-    def watch(watched: Watched, stop_after: int | None = None) -> None:
-        services = watched.job.services
-        assert [d.name for d in services.downstream] == ["actor_forward", "critic"]
-        assert services.fields == ("old_logprobs", "values")
-
-        def on_train(step: int) -> None:
-            used["critic"].update(ray.get(services.critic.used.remote()))
-            used["actor_forward"].update(ray.get(services.actor_forward.used.remote()))
-            if step == stop_after:
-                watched.job.stop.set()
-
-        watched.on_train = on_train
 
     stopped = Watched(tmp_path / "fully_async", monkeypatch, "mode=fully_async", *common)
-    watch(stopped, stop_after=2)
+    assert stopped.job.services.downstream == [] and stopped.job.services.fields == ()  # gae: the trainer's
+    stopped.on_train = lambda step: stopped.job.stop.set() if step == 2 else None
     assert stopped.run_loop() == "stopped"
     stopped.on_train = lambda step: None
     resumed = Watched(tmp_path / "fully_async", monkeypatch, "mode=fully_async", *common, run=stopped.run)
-    watch(resumed)
     assert resumed.run_loop() == "completed"
     assert [step for step, _, _ in resumed.trained] == [3]
-    # step s: the critic as updated through step s - 1, the actor's weights it starts from (version s - 1)
-    assert used == {"critic": {1: 0, 2: 1, 3: 2}, "actor_forward": {1: 0, 2: 1, 3: 2}}
     rows, expected = resumed.run.read_metrics(), hybrid.run.read_metrics()
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["logp_old_version"] for r in rows] == [r["logp_old_version"] for r in expected] == [0, 1, 2]
     assert_same_steps(rows, expected, rel=1e-5)
     assert [r["optimizer_steps"] for r in expected] == [0, 2, 2]  # warmup: step 1 trains the critic only
     assert expected[1]["value_loss"] != expected[2]["value_loss"] and expected[1]["vf_clipfrac"] > 0

@@ -305,7 +305,7 @@ def test_two_gloo_ranks_save_and_resume(tmp_path):
 
 
 def _rank0_section_main(rank: int, world: int, port: int, root: str) -> None:
-    """Every rank saves its model; rank 0 alone adds a section (as it does the critic service's state)."""
+    """Every rank saves its model; rank 0 alone adds a section (as it does the run's progress)."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -324,7 +324,7 @@ def _rank0_section_main(rank: int, world: int, port: int, root: str) -> None:
 @pytest.mark.slow
 def test_a_section_of_rank_0_alone_loads_whole_in_another_process(tmp_path):
     """DCP keeps one rank's copy of the saved paths; a section only rank 0 holds must be in it, or a fresh
-    optimizer would get no Adam moments back (the critic service reads its state so, services/critic.py)."""
+    optimizer would get no Adam moments back."""
     mp.spawn(_rank0_section_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     side, opt, _ = _build(7)
     template = {"side": {"model": side.state_dict(), "optimizer": opt.state_dict()}}

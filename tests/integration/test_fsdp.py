@@ -204,7 +204,7 @@ def test_the_recipe_fields_reach_the_trainer():
 @pytest.mark.slow
 def test_the_quick_start_trains_sharded_over_two_ranks_and_exports(tmp_path):
     """`relax submit` with FSDP over 2 CPU ranks, recomputation and packed micro-batches, in fully_async with
-    two optimizer steps per step (so weights are snapshot, handed to the actor-forward worker and broadcast
+    two optimizer steps per step (so weights are snapshot, logp_old recomputed by the ranks and weights broadcast
     from the gathered copy): it runs to the end and its checkpoint converts to an HF model that loads."""
     import json
     import os

@@ -406,7 +406,7 @@ def test_recipe_level_checks_mode_group_size_and_overlong_window(monkeypatch):
     from relax_core.algorithms import specs
 
     ppo = ALGO.validate_python({"name": "ppo", "critic": {}})
-    for mode in ("colocate", "hybrid", "fully_async"):  # fully_async: the critic is a service (services/critic.py)
+    for mode in ("colocate", "hybrid", "fully_async"):  # in every mode the critic trains in the trainer ranks
         assert algorithm_problems(ppo, mode=mode, group_size=1, max_new_tokens=64) == []
     monkeypatch.setitem(specs._SPECS, "ppo", dataclasses.replace(get_spec("ppo"), modes=("colocate", "hybrid")))
     assert "supports modes colocate, hybrid" in algorithm_problems(ppo, mode="fully_async", group_size=1,

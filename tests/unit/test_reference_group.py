@@ -145,42 +145,28 @@ def test_the_batch_step_starts_the_reference_nodes_ray_worker_in_het_group_2():
     assert [c[:2] for c, _ in started[:2]] == [["srun", "--het-group=0"], ["srun", "--het-group=1"]]
 
 
-def test_a_reference_worker_beside_the_trainer_may_use_either_groups_cores_on_one_machine():
-    from relax_core.services.launch import idle_cores
-
-    assert idle_cores({"train": [0], "rollout": [1]}) == [0, 1]  # local executor: the OS picks the idle one
-    assert idle_cores({"train": [2, 3], "rollout": [3, 4]}) == [2, 3, 4]
-    assert idle_cores({}) is None  # Slurm: nothing pinned, the node's cores
-
-
-@pytest.mark.parametrize(("overrides", "runs"), [
-    (["mode=fully_async"], False),  # one update per step: logp_old is the update's own forward
-    (["mode=fully_async", "train.global_batch_size=64", "train.micro_batch_size=32"], True),  # 2 updates
-    (["mode=fully_async", "train.ppo_epochs=2"], True),
-    (["mode=fully_async", "algorithm.name=reinforce_pp"], True),  # the KL in its rewards reads logp_old
-    (["mode=hybrid", "train.ppo_epochs=2"], False),  # hybrid: the trainer ranks compute it
-    (["mode=colocate", "train.ppo_epochs=2"], False),
+@pytest.mark.parametrize(("overrides", "workers"), [
+    (WITH_REFERENCE, 1),  # one per node of a CPU group
+    ([*WITH_REFERENCE, "cluster.reference.nodes=2", "cluster.reference.gpus_per_node=4"], 8),  # one per GPU
+    (["mode=fully_async", "algorithm.kl.coef=0.01"], 0),  # no group: the trainer ranks hold the reference
 ])
-def test_the_actor_forward_worker_runs_where_the_trainer_would_recompute_logp_old(overrides, runs):
+def test_reference_workers_run_only_on_a_group_of_their_own_one_per_gpu(overrides, workers):
     from relax_core.controller.setup import trainer_config
-    from relax_core.services.launch import actor_forward_service
+    from relax_core.services.launch import reference_service, reference_workers
 
     recipe = load_recipe(QUICKSTART, overrides)
-    assert actor_forward_service(recipe) is runs
-    assert trainer_config(recipe).actor_forward_service is runs
+    assert reference_workers(recipe) == workers
+    assert reference_service(recipe) is (workers > 0)
+    assert trainer_config(recipe).reference_service is (workers > 0)  # else the trainer loads the reference
 
 
-@pytest.mark.parametrize(("overrides", "runs"), [
-    (["mode=fully_async", "algorithm.name=ppo", "algorithm.critic.lr=1e-3"], True),
-    (["mode=hybrid", "algorithm.name=ppo", "algorithm.critic.lr=1e-3"], False),  # the trainer ranks hold it
-    (["mode=colocate", "algorithm.name=ppo", "algorithm.critic.lr=1e-3"], False),
-    (["mode=fully_async"], False),  # grpo: no critic
-])
-def test_the_critic_is_a_service_of_its_own_in_fully_async_ppo(overrides, runs):
+@pytest.mark.parametrize("mode", ["fully_async", "hybrid", "colocate"])
+def test_logp_old_and_the_critic_are_the_trainers_own_in_every_mode(mode):
+    """What depends on the weights a step starts from is computed by the trainer ranks: no service for it."""
     from relax_core.controller.setup import trainer_config
-    from relax_core.services.launch import critic_service
+    from relax_core.services import launch
 
-    recipe = load_recipe(QUICKSTART, overrides)
-    assert critic_service(recipe) is runs
-    config = trainer_config(recipe)
-    assert config.critic_service is runs and (config.critic_lr is not None) is ("ppo" in str(overrides))
+    recipe = load_recipe(QUICKSTART, [f"mode={mode}", "algorithm.name=ppo", "algorithm.critic.lr=1e-3",
+                                      "train.ppo_epochs=2"])
+    assert not hasattr(launch, "actor_forward_service") and not hasattr(launch, "critic_service")
+    assert trainer_config(recipe).critic_lr == 1e-3  # the trainer builds the critic
