@@ -270,7 +270,17 @@ class RolloutConfig(Section):
     """Extra server arguments of each SGLang engine, by SGLang's names (`mem_fraction_static: 0.7` ->
     `--mem-fraction-static 0.7`; true/false for on/off flags, a list for several values). Each key is checked
     against SGLang's server arguments (the installed SGLang's, else the pinned version's); the ones Relax
-    sets itself (model path, host, port, TP size, seed, ...) are refused. The cpu engine takes none."""
+    sets itself (model path, host, port, TP size, seed, ...) are refused, and so are those that change how many
+    GPUs an engine has (`dp_size`, `pp_size`, `nnodes`, ...: the weight sync gives each engine `gpus_per_engine`
+    ranks). The cpu engine takes none."""
+    deterministic: bool = False
+    """SGLang engines: start them with `--enable-deterministic-inference` (batch-invariant kernels), the only
+    mode in which SGLang samples by each request's `sampling_seed`, so that a sample sent again after its engine
+    was replaced, or drawn again by a resumed run, is the same draw. It costs generation throughput (SGLang's
+    report: about a third with CUDA graphs) and pins the sampling backend to pytorch and attention to
+    flashinfer, fa3 or triton. Without it SGLang ignores the seeds: a resent sample is a new draw from the same
+    weights (still kept once, so no sample is trained twice). The cpu engine always samples by the seeds (it
+    refuses this field)."""
 
     env: EnvConfig | None = None
     """Multi-turn rollouts with an environment (agentic RL): see `EnvConfig`. Unset: one response per prompt."""

@@ -208,6 +208,7 @@ class Job:
     def _engine_set(self):
         from relax_core.controller.colocate import handover_sources, shares_gpus
         from relax_core.controller.engines import EngineSet, EngineSpec
+        from relax_core.rollout.sglang_engine import server_args
 
         ro = self.recipe.rollout
         self.run.write_secret(ENGINE_KEY)
@@ -215,7 +216,7 @@ class Job:
         spec = EngineSpec(str(self.model_dir), str(self.run.logs), self.run.secret(ENGINE_KEY), self._threads(group),
                           self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group),
                           trust_remote_code=setup.trust_remote_code(self.recipe), engine=ro.engine,
-                          engine_args=dict(ro.engine_args), video=setup.engine_video(self.recipe))
+                          engine_args=server_args(ro), video=setup.engine_video(self.recipe))
         return EngineSet(self._ray, spec, bucket_bytes=int(self.recipe.train.weight_sync_bucket_mb * 2**20),
                          slots=self.slots, router=self._router(),
                          sources_of=partial(handover_sources, self.recipe) if shares_gpus(self.recipe) else None)

@@ -6,10 +6,18 @@
              every engine is asked for /health; those that do not answer are removed (router,
              weight group), their actor ended and their slot freed; a new engine starts in the slot,
              and once healthy joins (weight group re-formed, the weights every engine holds sent to it)
-        -> the failed requests are sent again: each sample's seed makes it the same draw, and only
-           one answer per sample is ever kept
+        -> the failed requests are sent again (the same draws where the engine samples by each sample's
+           seed: the CPU engine, SGLang with rollout.deterministic), and only one answer per sample is
+           ever kept
     an engine that does not answer /health within `recovery.health_timeout_s` while a step generates
     (hung, or stopped) is ended first, so that its requests fail and take the path above
+
+The watch asks for /health only while a step generates (rollout/manager.py `_watched`), while a
+broadcast weight sync runs (job.py `_watched`) and, in the asynchronous modes, all the time: never while
+colocate's engines have released their memory for the trainer (colocate.py `train_step`: release, train,
+then resume before the sync; weights handed over by reference are not watched). That matters because
+SGLang answers /health with a one-token generation (http_server.py `health_generate`), which on released
+memory would run the model on unmapped pages.
 
 An engine that fails again after `recovery.max_engine_restarts` replacements within an hour is left
 out: something about it (its node, its memory, the model) keeps failing, and restarting it forever

@@ -248,10 +248,10 @@ class _Planner:
         for i in range(ro.num_engines):
             seed, trust = r.train.seed + i, trust_remote_code(r)
             if ro.engine == "sglang":
-                from relax_core.rollout.sglang_engine import server_command
+                from relax_core.rollout.sglang_engine import server_args, server_command
 
                 argv = server_command(model_dir=model_dir, tp_size=ro.gpus_per_engine, seed=seed, weight_version="0",
-                                      engine_args=ro.engine_args, trust_remote_code=trust, **common)
+                                      engine_args=server_args(ro), trust_remote_code=trust, **common)
             else:
                 argv = cpu_engine_command(model_dir=model_dir, fd="<fd>", threads=threads, seed=seed,
                                           trust_remote_code=trust, video=engine_video(r), **common)

@@ -305,11 +305,17 @@ def _local_config(recipe: Recipe) -> dict | None:
 
 
 def _engine_problems(recipe: Recipe) -> list[str]:
-    """`rollout.engine_args`: SGLang server arguments (checked against SGLang's own), none for the cpu engine."""
-    ro = recipe.rollout
+    """`rollout.engine_args`: SGLang server arguments (checked against SGLang's own), none for the cpu engine;
+    `rollout.deterministic`: SGLang's deterministic inference (the cpu engine always samples by the seeds)."""
+    ro, problems = recipe.rollout, []
     if ro.engine == "cpu":
-        return ["rollout.engine_args: SGLang server arguments, and the cpu engine takes none; leave it empty "
-                "or use rollout.engine=sglang"] if ro.engine_args else []
+        if ro.engine_args:
+            problems.append("rollout.engine_args: SGLang server arguments, and the cpu engine takes none; leave it "
+                            "empty or use rollout.engine=sglang")
+        if ro.deterministic:
+            problems.append("rollout.deterministic: it turns on SGLang's deterministic inference, and the cpu engine "
+                            "always samples by each sample's seed; remove it or use rollout.engine=sglang")
+        return problems
     from relax_core.rollout.sglang_engine import engine_args_problems
 
     return engine_args_problems(ro.engine_args)

@@ -8,11 +8,21 @@ engine's log-probs and weight version. Scoring goes through the reward hub
 (relax_core/rewards/hub.py) once per step, for all samples concurrently, each
 with its row's own reward (`row["reward"]`, from `data.reward_key`) or the
 recipe's; the step's failure counts are left in `last_reward_stats` for the
-controller, and too many failures end the run there. Every sample gets its own sampling
-seed derived from (run seed, step, index), so a resumed run draws exactly
-the samples the uninterrupted run would have drawn, and a request sent again
-after its engine failed (the `recovery`, controller/recovery.py, replaced it)
-draws the same samples; only one answer per sample is kept.
+controller, and too many failures end the run there.
+
+Every sample gets its own sampling seed derived from (run seed, step, index),
+sent as SGLang's `sampling_params.sampling_seed`. What it buys depends on the
+engine:
+- the CPU engine, and SGLang with `rollout.deterministic` (its
+  `--enable-deterministic-inference`): the seed decides the draw, so a resumed
+  run draws the samples the uninterrupted run would have drawn, and a request
+  sent again after its engine failed (the `recovery`, controller/recovery.py,
+  replaced it) draws the same samples;
+- SGLang without it: SGLang ignores the seed (it builds a per-request seed
+  tensor only in deterministic inference, srt/sampling/sampling_batch_info.py),
+  so a resent request is a new draw from the same weights and a resumed run
+  draws new samples. Each is still a sample of the current policy.
+Either way only one answer per sample is kept: no sample is lost or trained twice.
 """
 
 from __future__ import annotations
@@ -124,7 +134,8 @@ class RolloutManager:
         """Every sample's output, by sample index (row * n + k). The prompts go round-robin to the
         clients (all n samples of a prompt to one), in requests of at most `max_request_batch`. A request
         an engine fails (it died, or hung and was ended by the watch) is sent again once the recovery
-        replaced the engine: the sample's seed makes it the same draw, and only its one answer is kept."""
+        replaced the engine (the same draw where the engine samples by the seed, see the module docstring), and
+        only its one answer is kept."""
         n, size = self.sampling.n_samples_per_prompt, self.sampling.max_request_batch
         per_engine: list[list[tuple[Prompt, int]]] = [[] for _ in self.clients]
         for position, prompt in enumerate(prompts):

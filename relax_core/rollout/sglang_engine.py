@@ -3,8 +3,9 @@
 An engine of `rollout.engine: sglang` is SGLang's own HTTP server on the GPUs
 Ray gave its actor (controller/workers.py starts it). Relax sets the flags it
 owns (model, host, port, TP size, seed, request limit, weight version, remote
-code) and appends the recipe's `rollout.engine_args`, turned into flags the
-way SGLang's argparse reads them:
+code, deterministic inference from `rollout.deterministic`) and appends the
+recipe's `rollout.engine_args`, turned into flags the way SGLang's argparse
+reads them:
 
     {mem_fraction_static: 0.7}      -> --mem-fraction-static 0.7
     {enable_memory_saver: true}     -> --enable-memory-saver   (false: omitted)
@@ -47,6 +48,25 @@ RESERVED = {
     "weight_version": "the weight sync",
     "trust_remote_code": "model.trust_remote_code",
     "config": "the recipe (a config file would bypass this check: put its options in rollout.engine_args)",
+    "enable_deterministic_inference": "rollout.deterministic",
+}
+
+# SGLang server arguments that change how many processes (GPUs) an engine runs, or which GPUs they take.
+# The weight-update group gives each engine `rollout.gpus_per_engine` ranks: SGLang joins it from every
+# scheduler process as `rank_offset + tp_rank` (srt/model_executor/model_runner_components/weight_updater.py,
+# `init_weights_update_group`), so data-parallel replicas or pipeline stages would join with the same ranks,
+# and Ray gives each engine exactly its TP size in GPUs. Each maps to what to set instead.
+ENGINE_LAYOUT = {
+    "dp_size": "rollout.num_engines (each engine is one replica, behind the router), or attn_dp_size for "
+               "data-parallel attention inside one engine's tensor-parallel group",
+    "pp_size": "rollout.gpus_per_engine (tensor parallelism) for a model one GPU cannot hold",
+    "enable_dp_attention": "attn_dp_size (data-parallel attention inside the engine's tensor-parallel group, "
+                           "which keeps its GPU count; SGLang 0.5.23 deprecates --enable-dp-attention)",
+    "nnodes": "rollout.gpus_per_engine at most one node's GPUs (an engine runs on one node), and more engines",
+    "node_rank": "rollout.gpus_per_engine at most one node's GPUs (an engine runs on one node), and more engines",
+    "dist_init_addr": "nothing: an engine runs on one node, and Relax picks its ports",
+    "base_gpu_id": "nothing: Ray gives each engine its GPUs",
+    "gpu_id_step": "nothing: Ray gives each engine its GPUs",
 }
 
 
@@ -79,8 +99,16 @@ def recipe_server_command(recipe: Recipe, index: int, *, python: str, model_dir:
     ro = recipe.rollout
     return server_command(python=python, model_dir=model_dir, host=host, port=port, tp_size=ro.gpus_per_engine,
                           seed=recipe.train.seed + index, max_running_requests=ro.max_concurrency,
-                          weight_version=INITIAL_WEIGHT_VERSION, engine_args=dict(ro.engine_args),
+                          weight_version=INITIAL_WEIGHT_VERSION, engine_args=server_args(ro),
                           trust_remote_code=trust_remote_code(recipe))
+
+
+def server_args(rollout) -> dict[str, Any]:
+    """The server arguments of each engine of a `RolloutConfig`: its `engine_args`, and with `deterministic`
+    SGLang's deterministic inference, the only mode in which SGLang samples by a request's `sampling_seed`
+    (without it `SamplingBatchInfo.from_schedule_batch` builds no seed tensor and the sampler draws from
+    the device's generator: srt/sampling/sampling_batch_info.py)."""
+    return dict(rollout.engine_args) | ({"enable_deterministic_inference": True} if rollout.deterministic else {})
 
 
 def _flags(arg: tuple[str, str], value: Any) -> list[str]:
@@ -107,6 +135,10 @@ def engine_args_problems(engine_args: dict[str, Any]) -> list[str]:
         field = f"rollout.engine_args.{key}"
         if key in RESERVED:
             problems.append(f"{field}: Relax sets it from {RESERVED[key]}; remove it from rollout.engine_args")
+        elif key in ENGINE_LAYOUT:
+            problems.append(f"{field}: it changes how many GPUs (ranks) an engine has, and the weight sync gives "
+                            f"each engine rollout.gpus_per_engine ranks, one per tensor-parallel GPU; remove it "
+                            f"and set {ENGINE_LAYOUT[key]}")
         elif key not in table:
             close = difflib.get_close_matches(key, list(table), n=3)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""

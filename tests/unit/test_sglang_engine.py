@@ -44,12 +44,13 @@ def command(**overrides) -> list[str]:
 
 
 # ------------------------------------------------------------------- the command line
-@pytest.mark.parametrize(("recipe_file", "golden_file"), [
-    ("math_dapo_qwen3_4b.yaml", "sglang_command_math_dapo.txt"),
-    ("math_dapo_qwen3_4b_fsdp.yaml", "sglang_command_math_dapo_fsdp.txt"),
+@pytest.mark.parametrize(("recipe_file", "overrides", "golden_file"), [
+    ("math_dapo_qwen3_4b.yaml", [], "sglang_command_math_dapo.txt"),
+    ("math_dapo_qwen3_4b_fsdp.yaml", [], "sglang_command_math_dapo_fsdp.txt"),
+    ("math_dapo_qwen3_4b_fsdp.yaml", ["rollout.deterministic=true"], "sglang_command_math_dapo_fsdp_deterministic.txt"),
 ])
-def test_the_math_recipes_engines_match_the_golden_command_lines(recipe_file, golden_file):
-    recipe = load_recipe(REPO / "recipes" / recipe_file)
+def test_the_math_recipes_engines_match_the_golden_command_lines(recipe_file, overrides, golden_file):
+    recipe = load_recipe(REPO / "recipes" / recipe_file, overrides)
     lines = []
     for index in range(recipe.rollout.num_engines):
         argv = recipe_server_command(recipe, index, python="PYTHON", model_dir="MODEL_DIR", host="HOST", port=PORT)
@@ -215,3 +216,76 @@ def test_the_weight_group_counts_every_tp_rank_of_an_sglang_engine():
     group = WeightBroadcaster(clients, "127.0.0.1", backend=sglang.weight_backend,
                               ranks_per_engine=sglang.ranks_per_engine)
     assert group.world_size == 1 + 2 * 4  # the trainer, then every TP rank of both engines
+
+
+def test_sglang_joins_the_weight_group_with_one_rank_per_tp_rank():
+    """What `ranks_per_engine` (= rollout.gpus_per_engine) rests on: each scheduler process joins as
+    rank_offset + tp_rank, so a data-parallel replica or a pipeline stage would repeat the TP ranks' ranks."""
+    import ast
+
+    source = sglang_source.package_dir() / "srt/model_executor/model_runner_components/weight_updater.py"
+    fn = next(node for node in ast.walk(ast.parse(source.read_text()))
+              if isinstance(node, ast.FunctionDef) and node.name == "init_weights_update_group")
+    ranks = [ast.unparse(node.value) for node in ast.walk(fn) if isinstance(node, ast.Assign)
+             and [ast.unparse(t) for t in node.targets] == ["rank"]]
+    assert ranks == ["rank_offset + self.tp_rank"]
+
+
+@pytest.mark.parametrize(("key", "value", "instead"), [
+    ("dp_size", "2", "rollout.num_engines"), ("pp_size", "2", "rollout.gpus_per_engine"),
+    ("enable_dp_attention", "true", "attn_dp_size"), ("nnodes", "2", "rollout.gpus_per_engine"),
+    ("node_rank", "1", "an engine runs on one node"), ("dist_init_addr", "10.0.0.1:5000", "Relax picks its ports"),
+    ("base_gpu_id", "1", "Ray gives each engine its GPUs"), ("gpu_id_step", "2", "Ray gives each engine its GPUs"),
+])
+def test_an_engine_arg_that_changes_an_engines_ranks_is_refused_naming_what_to_set(tmp_path, key, value, instead):
+    proc = relax("validate", str(QUICKSTART), *SGLANG_QUICKSTART, f"rollout.engine_args.{key}={value}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = next(line for line in proc.stderr.splitlines() if f"rollout.engine_args.{key}:" in line)
+    assert "rollout.gpus_per_engine ranks" in line and "remove it" in line and instead in line, line
+
+
+def test_submit_refuses_a_data_parallel_engine_and_writes_nothing(tmp_path):
+    proc = relax("submit", str(QUICKSTART), *SGLANG_QUICKSTART, "rollout.engine_args.dp_size=2", "--dry-run",
+                 cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "rollout.engine_args.dp_size:" in proc.stderr and "rollout.num_engines" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_what_keeps_an_engines_gpus_passes_and_every_refused_key_is_sglangs():
+    assert set(sglang_engine.ENGINE_LAYOUT) <= set(SERVER_ARGS)  # the refusals name SGLang's own arguments
+    assert engine_args_problems({"attn_dp_size": 2, "ep_size": 2, "moe_dp_size": 2}) == []  # inside the TP group
+
+
+# ------------------------------------------------------------------ rollout.deterministic
+def test_sglang_samples_by_the_seed_only_in_deterministic_inference():
+    """Why the option exists: SGLang builds the per-request seed tensor only under
+    --enable-deterministic-inference; otherwise `sampling_seed` is accepted and ignored."""
+    import ast
+
+    source = (sglang_source.package_dir() / "srt/sampling/sampling_batch_info.py").read_text()
+    seeds = next(node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assign)
+                 and [ast.unparse(t) for t in node.targets] == ["sampling_seed"])
+    assert isinstance(seeds.value, ast.IfExp) and ast.unparse(seeds.value.test) == "enable_deterministic"
+    assert ast.unparse(seeds.value.orelse) == "None"
+    assert "enable_deterministic = get_exec().deterministic.enable_deterministic_inference" in source
+
+
+def test_deterministic_adds_sglangs_flag_to_every_engine_in_the_plan(tmp_path):
+    fsdp = REPO / "recipes" / "math_dapo_qwen3_4b_fsdp.yaml"
+    on = relax("validate", str(fsdp), "rollout.deterministic=true", "cluster.executor=slurm", cwd=tmp_path)
+    off = relax("validate", str(fsdp), "cluster.executor=slurm", cwd=tmp_path)
+    assert on.returncode == off.returncode == 0, on.stderr + off.stderr
+    engines = [line for line in on.stderr.splitlines() if "sglang_launch" in line]
+    assert len(engines) == 4 and all(line.endswith(" --enable-deterministic-inference") for line in engines)
+    assert "--enable-deterministic-inference" not in off.stderr
+
+
+def test_deterministic_is_the_one_way_to_turn_it_on_and_the_cpu_engine_refuses_it(tmp_path):
+    twice = relax("validate", str(QUICKSTART), *SGLANG_QUICKSTART,
+                  "rollout.engine_args.enable_deterministic_inference=true", cwd=tmp_path)
+    assert twice.returncode == 2 and "Relax sets it from rollout.deterministic" in twice.stderr
+    cpu = relax("validate", str(QUICKSTART), "rollout.deterministic=true", cwd=tmp_path)
+    assert cpu.returncode == 2
+    assert "rollout.deterministic: it turns on SGLang's deterministic inference, and the cpu engine always samples " \
+           "by each sample's seed" in cpu.stderr
