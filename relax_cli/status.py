@@ -1,5 +1,6 @@
-"""`relax status [RUN] [--json]`: state, progress (rate, ETA), reward trend, staleness, engines (their
-health now, PIDs, restarts), trainer ranks (PIDs), job restarts and latest checkpoint of a run."""
+"""`relax status [RUN] [--json]`: state, progress (rate, ETA), reward trend, staleness, engines (whether they
+answer now, their weight version and requests running + waiting, PIDs, restarts), trainer ranks (PIDs), job
+restarts and latest checkpoint of a run."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def status(
         where = f" on {engine['node']}" if engine.get("node") else ""
         health = {True: "healthy", False: "NOT ANSWERING", None: "-"}[engine.get("healthy")]
         out.print(f"{'engine ' + engine['id']:<18} {engine['state']:<9} {engine['origin']:<9} {health:<13} "
-                  f"pid {engine.get('pid') or '-'} restarts {engine.get('restarts', 0)} "
+                  f"pid {engine.get('pid') or '-'} restarts {engine.get('restarts', 0)} {_live(engine)}"
                   f"{engine.get('url') or '-'}{where}", markup=False)
     for rank in trainers or []:
         out.print(f"{'trainer rank ' + str(rank['rank']):<18} pid {rank['pid']} on {rank['node']}", markup=False)
@@ -41,6 +42,15 @@ def status(
         error = f": {scale['error']}" if scale.get("error") else ""
         out.print(f"{'scale ' + scale['id']:<18} {scale['kind']} {scale['count']} ({scale['source']}{job}) "
                   f"{scale['state']}{error}", markup=False)
+
+
+def _live(engine: dict) -> str:
+    """The engine's weight version and requests (running + waiting), as it reported them now."""
+    version, load = engine.get("weight_version"), engine.get("load")
+    shown = f"weights v{version} " if version is not None else ""
+    if load is not None:
+        shown += f"requests {load['num_running_reqs']}+{load['num_waiting_reqs']} "
+    return shown
 
 
 def _clock(seconds: float) -> str:

@@ -131,24 +131,14 @@ async def _none() -> dict[str, Any]:
 
 
 async def _probe(url: str | None, api_key: str) -> dict[str, Any]:
-    """The engine's own view: its weight version and load (None where it does not answer in time)."""
-    import httpx
+    """The engine's own view: its weight version and load (None where it does not answer in time), from
+    SGLang's /model_info and /v1/loads (rollout/client.py's `engine_view`; never /health)."""
+    from relax_core.rollout.client import engine_view
 
-    out: dict[str, Any] = {"weight_version": None, "load": None}
     if not url:
-        return out
-    headers = {"Authorization": f"Bearer {api_key}"}
-    try:
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=PROBE_TIMEOUT_S) as http:
-            version, load = await asyncio.gather(http.get("/get_weight_version"), http.get("/get_load"))
-        out["weight_version"] = version.json().get("weight_version") if version.status_code == 200 else None
-        if load.status_code == 200:
-            loads = load.json()
-            out["load"] = {"num_reqs": sum(int(x.get("num_reqs", 0)) for x in loads),
-                           "num_waiting_reqs": sum(int(x.get("num_waiting_reqs", 0)) for x in loads)}
-    except (httpx.HTTPError, ValueError):
-        pass
-    return out
+        return {"weight_version": None, "load": None}
+    view = await engine_view(url, api_key, PROBE_TIMEOUT_S)
+    return {"weight_version": view["weight_version"], "load": view["load"]}
 
 
 class ControlApi:

@@ -63,8 +63,8 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "started": state.get("started"),
         "finished": state.get("finished"),
         "error": state.get("error"),
-        # the driver records these as they change (controller/elastic.py); live, GET /v1/engines adds
-        # each engine's weight version and load
+        # the driver records these as they change (controller/elastic.py); each engine's answer, weight
+        # version and load are asked now (as GET /v1/engines of the control API does)
         "engines": _with_health(run, state.get("engines")) if status in ("running", "requeued") else None,
         "scale": state.get("scale"),
         "engine_restarts": len(state.get("engine_restarts") or []),
@@ -98,32 +98,38 @@ def progress(rows: list[dict[str, Any]], total: int | None) -> dict[str, Any]:
     }
 
 
-def engine_health(run: RunDir, engines: list[dict[str, Any]], timeout_s: float = 2.0) -> dict[str, bool]:
-    """Each engine's answer to /health now (url -> answered), with the run's engine key."""
-    import httpx
+def engine_views(run: RunDir, engines: list[dict[str, Any]], timeout_s: float = 2.0) -> dict[str, dict[str, Any]]:
+    """Each engine's own view now (url -> answering, weight version, load: rollout/client.py's `engine_view`),
+    asked with the run's engine key. It never asks for /health, which SGLang answers with a generation,
+    also while colocate's engines have released their memory for the trainer."""
+    import asyncio
+
+    from relax_core.rollout.client import engine_view
 
     try:
         key = run.secret("engine_api_key")
     except OSError:
         return {}
-    answers = {}
-    for engine in engines:
-        url = engine.get("url")
-        if not url:
-            continue
-        try:
-            answers[url] = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"},
-                                     timeout=timeout_s).status_code == 200
-        except httpx.HTTPError:
-            answers[url] = False
-    return answers
+    urls = [engine["url"] for engine in engines if engine.get("url")]
+
+    async def ask() -> list[dict[str, Any]]:
+        return await asyncio.gather(*(engine_view(url, key, timeout_s) for url in urls))
+
+    return dict(zip(urls, asyncio.run(ask()))) if urls else {}
 
 
 def _with_health(run: RunDir, engines: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if not engines:
         return engines
-    health = engine_health(run, engines)
-    return [e | {"healthy": health.get(e.get("url"))} for e in engines]
+    views = engine_views(run, engines)
+    return [e | _shown(views.get(e.get("url"))) for e in engines]
+
+
+def _shown(view: dict[str, Any] | None) -> dict[str, Any]:
+    """An engine's live fields in the report (None where it was not asked)."""
+    if view is None:
+        return {"healthy": None, "weight_version": None, "load": None}
+    return {"healthy": view["answering"], "weight_version": view["weight_version"], "load": view["load"]}
 
 
 def _latest_checkpoint(run: RunDir) -> int | None:

@@ -15,6 +15,7 @@ loop it is first used on: create it, use it and `aclose()` it inside one loop.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,10 +163,16 @@ class EngineClient:
         return await self._ok("/health_generate")
 
     async def get_model_info(self) -> dict[str, Any]:
-        return (await self._request("GET", "/get_model_info")).json()
+        """SGLang's `/model_info` (its `/get_model_info` is deprecated and logs a warning per call)."""
+        return (await self._request("GET", "/model_info")).json()
 
     async def get_weight_version(self) -> str:
         return str((await self.get_model_info())["weight_version"])  # SGLang 0.5.23 has no /get_weight_version
+
+    async def get_loads(self) -> list[dict[str, Any]]:
+        """SGLang's `/v1/loads` core section: one entry per data-parallel rank (`num_running_reqs`,
+        `num_waiting_reqs`, ...). SGLang 0.5.23 has no `/get_load`."""
+        return (await self._request("GET", "/v1/loads", params={"include": "core"})).json()["loads"]
 
     # ---- scheduling control ----
 
@@ -302,6 +309,22 @@ class EngineClient:
         if not result.get("success", False):
             raise EngineError(self.base_url + path, 200, result.get("message", ""))
         return result
+
+
+async def engine_view(url: str, api_key: str | None, timeout_s: float = 2.0) -> dict[str, Any]:
+    """What an engine says about itself now: whether it answers, its weight version and its load
+    (None where it does not answer within `timeout_s`). Only `/model_info` and `/v1/loads` are asked,
+    never `/health`: SGLang answers that with a generation, also while the engine's memory is released
+    (colocate's train phase), and a look at a run must never run its engines' models."""
+    view: dict[str, Any] = {"answering": False, "weight_version": None, "load": None}
+    async with EngineClient(url, api_key=api_key, timeout=timeout_s) as client:
+        info, loads = await asyncio.gather(client.get_model_info(), client.get_loads(), return_exceptions=True)
+    if isinstance(info, dict):
+        view["answering"], view["weight_version"] = True, str(info.get("weight_version"))
+    if isinstance(loads, list):
+        view["load"] = {key: sum(int(entry.get(key, 0)) for entry in loads)
+                        for key in ("num_running_reqs", "num_waiting_reqs")}
+    return view
 
 
 def _check_result(url: str, response: httpx.Response) -> None:

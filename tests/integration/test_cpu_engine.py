@@ -263,3 +263,111 @@ async def _until_running(client: EngineClient, timeout: float = 20) -> None:
     while (await client.get_model_info())["engine_stats"]["decode_steps"] < start + 3:
         assert time.monotonic() < deadline, "generation did not start"
         await asyncio.sleep(0.02)
+
+
+# ------------------------------------------------------------------ health and information, as SGLang's
+def _stats(engine: EngineServer) -> dict[str, int]:
+    return run(engine, lambda c: c.get_model_info())["engine_stats"]
+
+
+def test_health_is_a_one_token_generation_when_idle_and_the_batchs_progress_when_busy(engine):
+    """SGLang answers /health (and /health_generate) by generating one token when it holds no request;
+    when it does, the probe adds none and succeeds once the running batch makes progress."""
+    before = _stats(engine)
+    assert httpx.get(f"{engine.base_url}/health", timeout=30).status_code == 200
+    idle = _stats(engine)
+    assert idle["forward_passes"] > before["forward_passes"]  # it ran the model
+
+    long = {"max_new_tokens": 150, "temperature": 1.0, "ignore_eos": True}
+
+    async def busy(client):
+        request = asyncio.ensure_future(client.generate([5, 6, 7], sampling_params=long))
+        await _until_running(client)
+        async with httpx.AsyncClient(base_url=engine.base_url, timeout=30) as http:
+            status = (await http.get("/health")).status_code
+        await request
+        return status
+
+    assert run(engine, busy) == 200
+    assert _stats(engine)["finished_requests"] == idle["finished_requests"] + 1  # the probe added none
+
+
+def _sglang_tree(path: str):
+    import ast
+
+    from relax_core.rollout.sglang_source import package_dir
+
+    return ast.parse((package_dir() / path).read_text())
+
+
+def _returned_dict_keys(module, function: str, name: str | None = None) -> set[str]:
+    """The constant keys of the dict `function` returns (or assigns to `name`)."""
+    import ast
+
+    fn = next(n for n in ast.walk(module) if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef)
+              and n.name == function)
+    for node in ast.walk(fn):
+        value = node.value if isinstance(node, ast.Return) or (
+            isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [name]) else None
+        if isinstance(value, ast.Dict) and (name is not None or isinstance(node, ast.Return)):
+            return {k.value for k in value.keys if isinstance(k, ast.Constant)}
+    raise AssertionError(f"{function} builds no dict literal")
+
+
+def test_model_info_and_loads_have_sglangs_shapes(engine):
+    """What status and the control API read (weight version, running and waiting requests) comes from
+    routes SGLang 0.5.23 has, in its shapes: /model_info's fields and /v1/loads' report."""
+    import ast
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    info = httpx.get(f"{engine.base_url}/model_info", headers=headers).json()
+    loads = httpx.get(f"{engine.base_url}/v1/loads", params={"include": "core"}, headers=headers).json()
+    theirs_info = _returned_dict_keys(_sglang_tree("srt/entrypoints/http_server.py"), "model_info", "result")
+    theirs_loads = _returned_dict_keys(_sglang_tree("srt/entrypoints/v1_loads.py"), "get_loads")
+    snapshot = next(n for n in _sglang_tree("srt/managers/load_snapshot.py").body
+                    if isinstance(n, ast.ClassDef) and n.name == "LoadSnapshot")
+    load_fields = {n.target.id for n in snapshot.body if isinstance(n, ast.AnnAssign)}
+    assert set(info) - {"engine_stats"} <= theirs_info and "weight_version" in info
+    assert set(loads) == theirs_loads
+    assert all(set(entry) <= load_fields for entry in loads["loads"])
+    assert {"num_running_reqs", "num_waiting_reqs"} <= set(loads["loads"][0])
+
+
+def test_status_reads_version_and_load_and_never_probes_an_engine_whose_memory_is_released(
+        tiny_model_dir, tmp_path):
+    """colocate's train phase: the engines' memory is released. /health would run the model there (SGLang's
+    one-token generation), so `relax status` and the control API ask /model_info and /v1/loads instead."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from relax_core.launch.rundir import RunDir
+    from relax_core.rollout.client import engine_view
+
+    run_dir = RunDir(tmp_path / "runs" / "r1")
+    run_dir.create()
+    run_dir.recipe.write_text("name: r1\n")  # what makes a folder a run directory
+    run_dir.write_secret("engine_api_key", API_KEY)
+    with EngineServer(tiny_model_dir, tmp_path / "engine.log", API_KEY, "--enable-memory-saver",
+                      "--weight-version", "7") as server:
+        run_dir.update_state(state="running", name="r1", engines=[
+            {"id": "e0", "state": "active", "origin": "launch", "url": server.base_url, "pid": server.proc.pid,
+             "restarts": 0}])
+        run(server, lambda c: c.release_memory_occupation())
+        assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 503  # SGLang: a forward pass
+        view = asyncio.run(engine_view(server.base_url, API_KEY))
+        env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}
+        shown = subprocess.run([sys.executable, "-m", "relax_cli.main", "status", str(run_dir.path)],
+                               capture_output=True, text=True, env=env, timeout=60)
+        as_json = subprocess.run([sys.executable, "-m", "relax_cli.main", "status", str(run_dir.path), "--json"],
+                                 capture_output=True, text=True, env=env, timeout=60)
+        run(server, lambda c: c.resume_memory_occupation())
+        log = server.log()
+    assert view == {"answering": True, "weight_version": "7", "load": {"num_running_reqs": 0, "num_waiting_reqs": 0}}
+    assert shown.returncode == 0, shown.stderr
+    line = next(line for line in shown.stdout.splitlines() if line.startswith("engine e0"))
+    assert "healthy" in line and "weights v7" in line and "requests 0+0" in line, line
+    (engine,) = json.loads(as_json.stdout)["engines"]
+    assert (engine["healthy"], engine["weight_version"], engine["load"]["num_running_reqs"]) == (True, "7", 0)
+    assert log.count("reached an engine whose memory is released") == 1  # only the probe this test sent

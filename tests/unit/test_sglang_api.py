@@ -118,6 +118,8 @@ class Recorder(BaseHTTPRequestHandler):
                 "finish_reason": {"type": "length"}, "weight_version": "3", "prompt_tokens": 4,
                 "output_token_logprobs": [[-0.5, 5, None]]}}
             answer = [item] * len(body["input_ids"]) if batch else item
+        elif path == "/v1/loads":
+            answer = {"loads": [{"dp_rank": 0, "num_running_reqs": 2, "num_waiting_reqs": 1}]}
         else:
             answer = {"success": True, "message": "", "weight_version": "3"}
         data = json.dumps(answer).encode()
@@ -156,6 +158,7 @@ CALLS = {
     "health_generate": lambda c: c.health_generate(),
     "get_model_info": lambda c: c.get_model_info(),
     "get_weight_version": lambda c: c.get_weight_version(),
+    "get_loads": lambda c: c.get_loads(),
     "flush_cache": lambda c: c.flush_cache(),
     "pause_generation": lambda c: c.pause_generation(),
     "continue_generation": lambda c: c.continue_generation(),
@@ -265,7 +268,7 @@ def test_the_response_fields_the_client_reads_are_ones_sglang_writes():
     read = _strings_read(ast.parse(Path(client_module.__file__).read_text()))
     written = set().union(*IO.values())
     for file in ("srt/managers/tokenizer_manager.py", "srt/entrypoints/http_server.py",
-                 "srt/managers/schedule_batch.py"):
+                 "srt/managers/schedule_batch.py", "srt/entrypoints/v1_loads.py"):
         written |= _strings_written(sglang(file))
     assert read <= written, f"the client reads {read - written}, which SGLang {SGLANG_VERSION} never writes"
     assert {"meta_info", "output_token_logprobs", "finish_reason", "weight_version"} <= read  # the reader reads
@@ -311,7 +314,8 @@ def _strings_read(module: ast.Module) -> set[str]:
     for node in ast.walk(module):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and node.args:
             out |= {node.args[0].value} if isinstance(node.args[0], ast.Constant) else set()
-        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                and isinstance(node.ctx, ast.Load):  # `d["key"] = ...` fills the client's own dict
             out.add(node.slice.value)
     return {key for key in out if isinstance(key, str)}
 
@@ -396,3 +400,16 @@ def test_a_row_whose_media_fail_at_run_time_is_skipped_and_counted(recorder, tmp
     assert len(samples) == 4 and {s.group_id for s in samples} == {0, 2}  # rows 0 and 2, two samples each
     assert stats["prompts_skipped"] == 1.0
     assert "broken.png" in caplog.text and "row 1" in caplog.text
+
+
+def test_what_status_reads_of_an_engine_comes_from_sglangs_routes(recorder):
+    """`relax status` and the control API show each engine's weight version and load: from /model_info and
+    /v1/loads, which SGLang 0.5.23 serves (it has no /get_weight_version or /get_load), and never from /health,
+    which SGLang answers with a generation, also while the engine's memory is released."""
+    from relax_core.rollout.client import engine_view
+
+    view = asyncio.run(engine_view(recorder, "k"))
+    assert view == {"answering": True, "weight_version": "3", "load": {"num_running_reqs": 2, "num_waiting_reqs": 1}}
+    paths = {path for _, path, _ in Recorder.calls}
+    assert paths == {"/model_info", "/v1/loads"} and paths <= set(ROUTES)
+    assert not {"/get_weight_version", "/get_load"} & set(ROUTES)

@@ -4,7 +4,8 @@ Request flow: a handler validates the body (`protocol.py`), turns `/generate`
 items into `Sequence`s (`generate.py`) and submits them to the scheduler
 thread (`batcher.py`), awaiting one future per item; control endpoints run
 their action on the scheduler thread through `Batcher.call`, so they take
-effect between two forward passes. Status codes and bodies follow SGLang's
+effect between two forward passes. Health and information (`/health`,
+`/model_info`, `/v1/loads`) are `info.py`'s. Status codes and bodies follow SGLang's
 `http_server.py`: errors are `{"error": {"message": ...}}` with 400, control
 endpoints answer `{"success": bool, "message": str}`.
 
@@ -38,6 +39,7 @@ from pydantic import ValidationError
 
 from relax_core.rollout.cpu_engine.batcher import Batcher, Sequence
 from relax_core.rollout.cpu_engine.generate import ModelLimits, build_response, build_sequences, unexpanded_prompts
+from relax_core.rollout.cpu_engine.info import add_info_routes
 from relax_core.rollout.cpu_engine.media_inputs import MediaPreprocessor
 from relax_core.rollout.cpu_engine.memory import MemoryReleased, MemorySaver
 from relax_core.rollout.cpu_engine.protocol import (
@@ -54,7 +56,6 @@ from relax_core.rollout.cpu_engine.protocol import (
 )
 from relax_core.rollout.cpu_engine.weight_loader import WeightLoader, parse_dtype
 
-HEALTH_CHECK_TIMEOUT_S = 20.0
 WEIGHTS_RELEASED = "The weights are released; resume them first: /resume_memory_occupation with tags ['weights']."
 
 try:  # SGLang answers with orjson; fall back to the standard library
@@ -111,7 +112,7 @@ def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
-    _add_info_routes(app, state)
+    add_info_routes(app, state, _run_generate, json_response)
     _add_generate_routes(app, state)
     _add_control_routes(app, state)
     _add_weight_routes(app, state)
@@ -143,63 +144,6 @@ class ApiKeyMiddleware:
 
 async def _on_scheduler(state: EngineState, fn) -> Any:
     return await asyncio.wrap_future(state.batcher.call(fn))
-
-
-def _add_info_routes(app: FastAPI, state: EngineState) -> None:
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/health_generate")
-    async def health_generate() -> Response:
-        # One greedy token straight to the scheduler (not held up by a pause).
-        req = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0})
-        try:
-            await asyncio.wait_for(_run_generate(state, req), HEALTH_CHECK_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError):
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/get_model_info")
-    async def get_model_info() -> Response:
-        return json_response(
-            {
-                "model_path": state.model_path,
-                "tokenizer_path": state.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": state.weight_version,
-                # Not in SGLang: the CPU engine's batching counters.
-                "engine_stats": state.batcher.stats_dict(),
-            }
-        )
-
-    @app.get("/get_load")
-    async def get_load() -> Response:  # what sglang-router 0.3.2 asks each worker
-        return json_response([_load(state)])
-
-    @app.get("/v1/loads")
-    async def loads() -> Response:  # SGLang's own load report (the `core` section), read by relax's drain check
-        load = _load(state)
-        running = load["num_reqs"] - load["num_waiting_reqs"]
-        return json_response({"loads": [{"dp_rank": 0, "num_running_reqs": running,
-                                         "num_waiting_reqs": load["num_waiting_reqs"]}]})
-
-
-def _load(state: EngineState) -> dict[str, int]:
-    """SGLang's `/get_load` entry for this engine's one data-parallel rank.
-
-    `num_reqs` counts every request the HTTP layer holds (also those waiting
-    for `/continue_generation`); read without the scheduler lock, so it is a
-    snapshot, exact whenever it reads 0.
-    """
-    running = list(state.batcher.running)
-    return {
-        "dp_rank": 0,
-        "num_reqs": state.in_flight,
-        "num_waiting_reqs": max(state.in_flight - len(running), 0),
-        "num_tokens": sum(len(s.prompt_ids) + len(s.output_ids) for s in running),
-    }
 
 
 def _add_generate_routes(app: FastAPI, state: EngineState) -> None:
