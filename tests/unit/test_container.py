@@ -158,7 +158,7 @@ def test_nothing_is_checked_without_image():
     assert check_container(ContainerConfig(binds=["/no/such:rel"], env={"1X": "y"})) == []
 
 
-@pytest.mark.parametrize("uri", ["docker://lmsysorg/sglang:v0.5.21", "oras://ghcr.io/org/relax:1", "library://org/relax"])
+@pytest.mark.parametrize("uri", ["docker://lmsysorg/sglang:v0.5.23", "oras://ghcr.io/org/relax:1", "library://org/relax"])
 def test_pulled_uris_are_accepted(uri):
     assert check_container(ContainerConfig(image=uri)) == []
 
@@ -290,6 +290,49 @@ def test_dockerfile_pins_and_json_cmd(dockerfile):
     env = " ".join(a for n, a in dockerfile if n == "ENV")
     assert "HF_HOME=" in env and "PYTHONUNBUFFERED=1" in env
     assert not any(n == "USER" and a.split(":")[0] == "root" for n, a in dockerfile)
+
+
+def _pinned_sglang() -> str:
+    import tomllib
+
+    from relax_core.rollout.sglang_server_args import SGLANG_VERSION
+
+    gpu = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    (pin,) = [dep.split("==")[1] for dep in gpu if dep.startswith("sglang==")]
+    assert pin == SGLANG_VERSION, f"pyproject's gpu extra pins SGLang {pin}, the server arguments: {SGLANG_VERSION}"
+    return pin
+
+
+def test_the_images_sglang_is_the_pinned_one(dockerfile):
+    """The image's SGLang, the `gpu` extra's, the server arguments `relax validate` checks, and the one the
+    docs install for the tests: one version."""
+    pin = _pinned_sglang()
+    args = dict(a.split("=", 1) for n, a in dockerfile if n == "ARG" and "=" in a)
+    assert args["SGLANG_VERSION"] == pin and args["SGLANG_IMAGE"] == f"lmsysorg/sglang:v{pin}"
+    for doc in ("README.md", "CONTRIBUTING.md", ".ci/run"):
+        named = re.findall(r"sglang==([\w.]+)", (REPO / doc).read_text())
+        assert named and set(named) == {pin}, f"{doc} installs SGLang {named}, Relax pins {pin}"
+
+
+def test_the_image_build_stops_when_its_base_has_another_sglang(dockerfile):
+    """The first RUN compares the base image's SGLang with SGLANG_VERSION (run here through a real bash, with
+    the SGLang installed for the tests, which is the pinned one)."""
+    pin = _pinned_sglang()
+    check = next(a for n, a in dockerfile if n == "RUN").split(" && ")[0]
+    assert "SGLANG_VERSION" in check
+    ok = subprocess.run(["bash", "-c", check], env={"SGLANG_VERSION": pin, "PATH": _python_path()},
+                        capture_output=True, text=True)
+    other = subprocess.run(["bash", "-c", check], env={"SGLANG_VERSION": "0.5.21", "PATH": _python_path()},
+                           capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert other.returncode == 1 and f"the base image has SGLang {pin}; Relax pins 0.5.21" in other.stderr
+
+
+def _python_path() -> str:
+    """A PATH whose python3 is this interpreter (the one with SGLang's metadata installed)."""
+    import sys
+
+    return f"{Path(sys.executable).parent}:/usr/bin:/bin"
 
 
 # ------------------------------------------------------------------ Apptainer definition
