@@ -56,33 +56,64 @@ def family(model_dir: str | Path) -> Family:
     return _FAMILIES.get(model_type, "text")
 
 
-def load_policy(model_dir: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False):
+def load_policy(model_dir: str | Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False,
+                *, weights: bool = True):
     """The policy as a module whose forward gives logits [B, L, V] (eval mode).
 
     For Qwen3-Omni only the thinker is loaded, also from a full checkpoint
     (Qwen3-Omni-30B-A3B): its weights are read from under `thinker.` through
-    `key_mapping`, and the talker's are never materialised.
+    `key_mapping`, and the talker's are never materialised. `weights=False`:
+    the same module without reading the checkpoint, its parameters on the meta
+    device (no memory; `empty_parameters`), its buffers (rotary frequencies,
+    which no checkpoint holds) built as usual: what a sharded trainer's ranks
+    other than 0 build before rank 0's weights reach their shards.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kind, torch_dtype = family(model_dir), getattr(torch, dtype)
     if kind == "text":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        cls, kwargs = AutoModelForCausalLM, {"trust_remote_code": trust_remote_code}
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     elif kind == "qwen3_vl":
         from transformers import Qwen3VLForConditionalGeneration
 
-        model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch_dtype)
+        cls, kwargs, config = Qwen3VLForConditionalGeneration, {}, AutoConfig.from_pretrained(model_dir)
     else:
         from transformers import Qwen3OmniMoeThinkerForConditionalGeneration as Thinker
 
-        config = AutoConfig.from_pretrained(model_dir)
+        cls, kwargs, config = Thinker, {}, AutoConfig.from_pretrained(model_dir)
         if config.model_type == "qwen3_omni_moe":
-            model = Thinker.from_pretrained(model_dir, config=config.thinker_config, dtype=torch_dtype,
-                                            key_mapping={r"^thinker\.": ""})
-        else:
-            model = Thinker.from_pretrained(model_dir, dtype=torch_dtype)
-    return model.to(device).eval()
+            config, kwargs = config.thinker_config, {"key_mapping": {r"^thinker\.": ""}}
+    if not weights:
+        with empty_parameters():
+            built = (cls.from_config(config, dtype=torch_dtype, **kwargs) if cls is AutoModelForCausalLM
+                     else cls._from_config(config, dtype=torch_dtype))
+        return built.eval()
+    return cls.from_pretrained(model_dir, config=config, dtype=torch_dtype, **kwargs).to(device).eval()
+
+
+class empty_parameters:
+    """Modules built inside get their parameters on the meta device and their buffers as usual (what
+    accelerate's `init_empty_weights(include_buffers=False)` does)."""
+
+    def __enter__(self):
+        import torch
+
+        self.register = register = torch.nn.Module.register_parameter
+
+        def on_meta(module, name, param):
+            register(module, name, param)
+            if param is not None:
+                kept = module._parameters[name]
+                module._parameters[name] = type(kept)(kept.to("meta"), requires_grad=kept.requires_grad)
+
+        torch.nn.Module.register_parameter = on_meta
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.nn.Module.register_parameter = self.register
 
 
 def pad_token_id(model) -> int:

@@ -15,6 +15,10 @@ FSDP's collectives run inside forward and backward, so every rank must run
 the same number of passes over the policy: `TorchTrainer` pads a rank with
 fewer micro-batches with passes over a one-token batch that learns nothing.
 
+Unsharded, the parameters are float32 too and the forward runs under
+autocast in the compute dtype (`prepare`). The policy and PPO's critic are
+prepared alike.
+
 Recomputation (`train.recompute_activations`) keeps only each decoder
 layer's input for the backward pass and runs the layer again there; it
 wraps the layer's `forward` in place, so parameter names (the HF names the
@@ -25,6 +29,7 @@ weight sync and checkpoints use) do not change, and works in eval mode
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -63,6 +68,49 @@ def _checkpointed(forward, *args, **kwargs):
     if not torch.is_grad_enabled():  # log-probs without a backward: nothing to save
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def build(load: Callable[..., torch.nn.Module], *, fsdp: bool, recompute: bool, group: dist.ProcessGroup | None,
+          device: str, compute_dtype: torch.dtype,
+          freeze: Callable[[torch.nn.Module], object] | None = None) -> torch.nn.Module:
+    """A trained model, ready: `load(weights=..., device=...)` gives it in float32 (the master weights).
+
+    Sharded over several ranks, only rank 0 reads the checkpoint, into host memory; the other ranks build
+    the module with its parameters on the meta device, and once every rank has sharded it, rank 0's tensors
+    are broadcast one by one into the shards (torch's `set_model_state_dict(broadcast_from_rank0)`). No rank
+    holds the whole float32 model on its GPU, and the host holds it once, not once per rank. `freeze` (the
+    encoders a recipe keeps as loaded) runs before sharding."""
+    many = fsdp and dist.is_initialized() and dist.get_world_size(group) > 1
+    rank0 = not many or dist.get_rank(group) == 0
+    model = load(weights=rank0, device="cpu" if fsdp else device)
+    full = model.state_dict() if many and rank0 else {}
+    if freeze is not None:
+        freeze(model)
+    prepare(model, fsdp=fsdp, recompute=recompute, group=group, device=device, compute_dtype=compute_dtype)
+    if many:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    return model
+
+
+def prepare(model: torch.nn.Module, *, fsdp: bool, recompute: bool, group: dist.ProcessGroup | None, device: str,
+            compute_dtype: torch.dtype) -> None:
+    """Ready a trained model whose parameters are float32 master weights: recomputation, then FSDP2 (which
+    gathers them in `compute_dtype`), or unsharded with a lower compute dtype, its forward under autocast
+    (never pure low-precision weights: AdamW's small updates round away in bfloat16)."""
+    if recompute:
+        recompute_activations(model)
+    if fsdp:
+        ensure_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
+        shard_model(model, group, device, compute_dtype)
+    elif compute_dtype != torch.float32:
+        model.forward = functools.partial(_autocast, model.forward, torch.device(device).type, compute_dtype)
+
+
+def _autocast(forward, device_type: str, dtype: torch.dtype, *args, **kwargs):
+    with torch.autocast(device_type, dtype=dtype):
+        return forward(*args, **kwargs)
 
 
 def ensure_process_group(backend: str) -> None:

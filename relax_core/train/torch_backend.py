@@ -120,12 +120,14 @@ def _ratio_extremes(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if ratio.numel() else torch.full((2,), -math.inf, dtype=torch.float64, device=ratio.device)
 
 
-def load_causal_lm(path: str | Path, dtype: str, device: str, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_causal_lm(path: str | Path, dtype: str, device: str = "cpu", trust_remote_code: bool = False, *,
+                   weights: bool = True) -> torch.nn.Module:
     """Load the policy (an HF causal LM; Qwen3-VL, or the Qwen3-Omni thinker: `models/multimodal.py`) in eval
-    mode (dropout off: log-probs must match the engine's)."""
+    mode (dropout off: log-probs must match the engine's); `weights=False`: built without its weights, its
+    parameters on the meta device."""
     from relax_core.models.multimodal import load_policy
 
-    return load_policy(path, dtype, device, trust_remote_code)
+    return load_policy(path, dtype, device, trust_remote_code, weights=weights)
 
 
 class TorchTrainer:
@@ -155,15 +157,12 @@ class TorchTrainer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.group = process_group
-        # Sharded, the parameters are the float32 master weights, gathered in `cfg.dtype` for compute.
-        self.model = load_causal_lm(model_path, "float32" if cfg.fsdp else cfg.dtype, cfg.device,
-                                    cfg.trust_remote_code)
-        self.frozen = self._freeze_encoders()
-        if cfg.recompute_activations:
-            sharding.recompute_activations(self.model)
-        if cfg.fsdp:
-            sharding.ensure_process_group("nccl" if torch.device(cfg.device).type == "cuda" else "gloo")
-            sharding.shard_model(self.model, self.group, cfg.device, getattr(torch, cfg.dtype))
+        # The parameters are float32 master weights, computed in `cfg.dtype` (sharding.build).
+        self.frozen: list[str] = []
+        self.model = sharding.build(
+            functools.partial(load_causal_lm, model_path, "float32", trust_remote_code=cfg.trust_remote_code),
+            fsdp=cfg.fsdp, recompute=cfg.recompute_activations, group=self.group, device=cfg.device,
+            compute_dtype=getattr(torch, cfg.dtype), freeze=self._freeze_encoders)
         self.ref_model = None
         # With a reference service (fully_async) the reference log-probs come with the samples instead.
         if (cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward) and not cfg.reference_service:
@@ -175,7 +174,7 @@ class TorchTrainer:
         if cfg.teacher_path:
             self.teacher = load_causal_lm(cfg.teacher_path, cfg.teacher_dtype, cfg.device, cfg.trust_remote_code)
             self.teacher.requires_grad_(False)
-        self.critic = Critic.from_config(model_path, cfg) if cfg.critic_lr is not None else None
+        self.critic = Critic.from_config(model_path, cfg, self.group) if cfg.critic_lr is not None else None
         self.last_returns: list[list[float]] | None = None  # this rank's GAE returns of the last step
         self.pad_id = pad_token_id(self.model)
         self.optimizer = build_optimizer(
@@ -208,14 +207,13 @@ class TorchTrainer:
         self._agg = registry.get_loss_aggregator(cfg.loss_agg or spec.loss_agg)
         self._kl_fn = registry.get_kl_estimator(cfg.kl_estimator)
 
-    def _freeze_encoders(self) -> list[str]:
-        """`train.freeze_vision` / `freeze_audio`: the names of the encoder parameters kept as loaded."""
+    def _freeze_encoders(self, model: torch.nn.Module) -> None:
+        """`train.freeze_vision` / `freeze_audio`: the encoder parameters kept as loaded (`self.frozen`)."""
         cfg = self.config
-        if not (cfg.freeze_vision or cfg.freeze_audio):
-            return []
-        from relax_core.models.multimodal import freeze
+        if cfg.freeze_vision or cfg.freeze_audio:
+            from relax_core.models.multimodal import freeze
 
-        return freeze(self.model, vision=cfg.freeze_vision, audio=cfg.freeze_audio)
+            self.frozen = freeze(model, vision=cfg.freeze_vision, audio=cfg.freeze_audio)
 
     @property
     def device(self) -> torch.device:
@@ -291,10 +289,13 @@ class TorchTrainer:
     def _idle_pass(self, *, backward: bool) -> None:
         """A pass over a one-token batch that learns nothing (zero gradient), so this rank joins the
         all-gathers and reduce-scatters of a pass the other ranks run on real micro-batches."""
-        idle = Sample(prompt_ids=[self.pad_id], response_ids=[self.pad_id], rollout_logprobs=[0.0], loss_mask=[0])
-        logp, _ = forward_logprobs(self.model, self._pack([idle]))
+        logp, _ = forward_logprobs(self.model, self._idle_batch())
         if backward:
             (logp.sum() * 0.0).backward()
+
+    def _idle_batch(self) -> MicroBatch:
+        idle = Sample(prompt_ids=[self.pad_id], response_ids=[self.pad_id], rollout_logprobs=[0.0], loss_mask=[0])
+        return self._pack([idle])
 
     # ------------------------------------------------------------ train step
     def train_step(
@@ -470,9 +471,11 @@ class TorchTrainer:
             logp_teacher = forward_logprobs(self.teacher, mb)[0] if self.teacher is not None else None
             values = self.critic.values(mb) if self.critic is not None else None
             micros.append(_Micro(mb, logp_old, logp_ref, logp_teacher, values))
-        if self.sharded and self._recomputes_logp_old:
-            for _ in range(passes - len(micros)):
+        for _ in range(passes - len(micros) if self.sharded else 0):  # join the other ranks' gathers
+            if self._recomputes_logp_old:
                 self._idle_pass(backward=False)
+            if self.critic is not None:
+                self.critic.idle_pass(self._idle_batch(), backward=False)
         return micros
 
     def _normalisers(self, micros: list[_Micro], samples: Sequence[Sample], passes: int = 0) -> _Mini:
@@ -569,13 +572,16 @@ class TorchTrainer:
         return torch.stack([v.to(torch.float64) for v in values])
 
     def _critic_update(self, mini: _Mini) -> torch.Tensor:
-        """One critic optimizer step on the mini-batch (token-mean clipped value loss); its metric sums."""
+        """One critic optimizer step on the mini-batch (token-mean clipped value loss); its metric sums.
+        Unsharded, its gradients are summed over the ranks here; sharded, FSDP did in each backward."""
         def reduce(sums: torch.Tensor) -> None:
-            self._all_reduce_grads(self.critic.parameters())
+            if not self.critic.sharded:
+                self._all_reduce_grads(self.critic.parameters())
             self._all_reduce(sums)
 
         micros = [(micro.mb, micro.values, micro.returns) for micro in mini.micros]
-        return self.critic.step(micros, mini.tokens, self.config.grad_clip, reduce)
+        return self.critic.step(micros, mini.tokens, self.config.grad_clip, reduce, passes=mini.passes,
+                                idle=self._idle_batch())
 
     def _all_reduce_grads(self, params: list | None = None) -> None:
         """Sum gradients over ranks in one flat buffer (ranks with no samples contribute zeros)."""

@@ -150,6 +150,73 @@ def test_a_resumed_sharded_run_continues_exactly(sharded_run):
     assert_close(run["resumed2"], run["after2"], tol=0.0)
 
 
+# adam_eps: the body's first gradients (once the zero-initialised head has moved) are tiny, and Adam divides
+# each by its own size: at eps 1e-8 the last bits of a sum taken in another order would decide the update.
+PPO = {"algorithm": "ppo", "critic_lr": 1e-2, "critic_value_clip": 0.05, "recompute_activations": True,
+       "adam_eps": 1e-3}
+
+
+def critic_params(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    from relax_core.train.sharding import full
+
+    return {name: full(p.detach()).clone() for name, p in trainer.critic.model.named_parameters()}
+
+
+def _fsdp_ppo_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """PPO sharded: two steps (a checkpoint after the first), then the second again from the checkpoint.
+    Rank 1 never reads the model directory's weights: rank 0's reach its shards."""
+    import os
+
+    import transformers
+
+    from relax_core.checkpoint import load_checkpoint, save_checkpoint
+
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    if rank == 1:
+        def refuse(cls, *args, **kwargs):
+            raise AssertionError(f"rank 1 read the checkpoint of {cls.__name__}")
+
+        transformers.PreTrainedModel.from_pretrained = classmethod(refuse)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        trainer = TorchTrainer(model_dir, config(fsdp=True, **PPO))
+        m1 = trainer.train_step(shard(make_samples(0), rank, world))
+        save_checkpoint(f"{out}/ckpt", 1, trainer.state_dict(), hf_dir=model_dir)
+        m2 = trainer.train_step(shard(make_samples(1), rank, world))
+        after2 = critic_params(trainer)
+        resumed = TorchTrainer(model_dir, config(fsdp=True, **PPO))
+        state = resumed.state_dict()
+        load_checkpoint(f"{out}/ckpt", state)
+        resumed.load_state_dict(state)
+        r2 = resumed.train_step(shard(make_samples(1), rank, world))
+        resumed2 = critic_params(resumed)  # every rank: gathering a shard is a collective
+        if rank == 0:
+            torch.save({"m1": m1, "m2": m2, "r2": r2, "critic2": after2, "resumed2": resumed2,
+                        "sharded": type(next(trainer.critic.model.parameters())).__name__}, f"{out}/ppo.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_critic_trains_as_the_unsharded_one_and_resumes(model_dir, tmp_path):
+    """PPO's critic is sharded with FSDP2 like the policy (float32 master weights, recomputation): over 2 ranks
+    its values, loss and updated weights are the unsharded critic's, and it resumes from its checkpoint."""
+    mp.spawn(_fsdp_ppo_rank, args=(2, _free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True)
+    run = torch.load(tmp_path / "ppo.pt")
+    plain = TorchTrainer(model_dir, config(**PPO))
+    expected = [plain.train_step(make_samples(0)), plain.train_step(make_samples(1))]
+    assert run["sharded"] == "DTensor"
+    for got, want in zip((run["m1"], run["m2"]), expected):
+        for key in ("value_loss", "vf_clipfrac", "loss"):
+            assert got[key] == pytest.approx(want[key], abs=TOL), key
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)  # summed in another order
+    assert expected[1]["value_loss"] != expected[0]["value_loss"]  # the critic learned between the steps
+    assert_close(run["critic2"], critic_params(plain))
+    assert run["r2"]["value_loss"] == run["m2"]["value_loss"]
+    assert_close(run["resumed2"], run["critic2"], tol=0.0)
+
+
 def test_token_budget_micro_batches_pack_rows_and_compute_the_same_step(model_dir):
     samples = make_samples(0)
     padded = TorchTrainer(model_dir, config(micro_batch_size=2))
