@@ -17,6 +17,7 @@ the event loop), `kv_batch` (the padded running batch and its KV cache,
 multimodal prefill, M-RoPE decode positions), `batcher` (the
 continuous-batching scheduler thread), `weight_loader` (receiving weights over
 torch.distributed or by reference), `memory` (releasing and resuming memory,
-colocate), `server` (the HTTP layer), `__main__` (the command line).
+colocate), `server` (the HTTP layer), `info` (health, model info and load, as
+SGLang answers them), `__main__` (the command line).
 Nothing heavy is imported here.
 """
