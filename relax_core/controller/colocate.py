@@ -10,13 +10,16 @@
     a training step in progress finishes; checkpoint the last completed step and return "stopped"
 
 On shared GPUs (colocate on GPU nodes without a rollout group, `shares_gpus`)
-the engines give their GPU memory to the trainer while it trains, and the
+the engines and the trainer ranks take turns with the GPU memory, and the
 weights move by reference (CUDA IPC, relax_core/weights/ipc.py: NCCL cannot
-broadcast between two ranks on one device), in SGLang's (and verl's, slime's)
-order:
+broadcast between two ranks on one device), in the order verl and slime use:
 
-    release all (weights, kv_cache, cuda_graph) -> train ->
-    resume weights -> hand the new weights over -> resume kv_cache, cuda_graph
+    engines release all (weights, kv_cache, cuda_graph) -> trainer ranks reload -> train ->
+    ranks offload gradients, optimizer, critic and reference -> engines resume weights ->
+    hand the new weights over -> ranks offload the policy, empty the cache -> engines resume kv_cache, cuda_graph
+
+At start the ranks load and offload before the engines start (job.py), so
+each engine sizes its KV cache from the same free memory on each of its GPUs.
 
 Elsewhere (CPU engines, or engines on a rollout group of their own) the
 engines keep their memory and the weights are broadcast (weights/sync.py).
@@ -24,6 +27,7 @@ engines keep their memory and the weights are broadcast (weights/sync.py).
 
 from __future__ import annotations
 
+from functools import partial
 from statistics import fmean
 
 from relax_core.config.schema import Recipe
@@ -38,7 +42,7 @@ WEIGHT_TAGS, CACHE_TAGS = ["weights"], ["kv_cache", "cuda_graph"]
 
 def train_colocate(job: Job) -> str:
     total = job.recipe.train.steps
-    start = job.resume()
+    start = job.resume(partial(resync, job) if shares_gpus(job.recipe) else None)
     for step in range(start + 1, total + 1):
         engine_stats = job.elastic.apply(job.loop, job.set_endpoints)  # between steps: engines idle
         try:
@@ -81,20 +85,32 @@ def handover_sources(recipe: Recipe, slot: int) -> list[int]:
 
 
 def train_step(job: Job, samples: list[Sample]) -> dict[str, float]:
-    """One training step; on shared GPUs with the engines' memory released for it."""
+    """One training step; on shared GPUs the engines' memory released and the ranks' state reloaded for it."""
     if shares_gpus(job.recipe):
         job.engines.release_memory(job.loop)
+        job.wake_trainers()
     return job.train(samples)
 
 
 def sync_weights(job: Job, step: int) -> dict[str, float]:
-    """The new weights into every engine; on shared GPUs into resumed weights, then the cache resumed."""
+    """The new weights into every engine; on shared GPUs the ranks keep only the policy while the engines
+    resume their weights and take it over, then hand the rest of the GPU back before the cache resumes."""
     if not shares_gpus(job.recipe):
         return job.sync_weights(step)
+    job.sleep_trainers(["optimizer"])
     job.engines.resume_memory(job.loop, WEIGHT_TAGS)
     stats = job.sync_weights(step)
+    job.sleep_trainers(["model"])
     job.engines.resume_memory(job.loop, CACHE_TAGS)
     return stats
+
+
+def resync(job: Job, version: int) -> None:
+    """On shared GPUs, a resumed run's weights into the engines, which hold their memory then and the ranks
+    none: the same turns as after a step."""
+    job.engines.release_memory(job.loop)
+    job.wake_trainers()
+    sync_weights(job, version)
 
 
 def step_metrics(samples: list[Sample], rollout_s: float, train_s: float, sync_s: float, version: int) -> dict:

@@ -103,7 +103,8 @@ class Job:
         self.judges = JudgeService.start(self._ray, self.recipe, self.run, self._threads(group),
                                          self.cpu_sets.get(group))
         self.engines = self._engine_set()
-        engines_ready = self.engines.launch(self.recipe.rollout.num_engines)
+        shared = self.engines.hands_over  # colocate on GPU nodes: engines on the trainer ranks' GPUs
+        engines_ready = None if shared else self.engines.launch(self.recipe.rollout.num_engines)
         self._create_trainers()
         if self.recipe.mode != "colocate":  # TransferQueue's processes start while the models load
             from relax_core.data.bus import import_tq
@@ -119,6 +120,10 @@ class Job:
             if self.recipe.logging.uses(backend):
                 _in_thread(importlib.import_module, module)
         trainers_ready = self._setup_trainers()
+        if shared:  # the ranks load, then hand the GPUs back: each engine sizes its KV cache from what is free,
+            self._ray.get(trainers_ready)  # the same on every GPU (SGLang refuses TP ranks whose free memory differs)
+            self.sleep_trainers(["optimizer", "model"])
+            engines_ready = self.engines.launch(self.recipe.rollout.num_engines)
         if self.recipe.mode != "colocate":
             self._start_services()
         urls = self._ray.get(engines_ready)
@@ -297,6 +302,15 @@ class Job:
                                     snapshot_version) for t, (a, b) in zip(self.trainers, cuts)]
         return self._ray.get(refs)[0]
 
+    def sleep_trainers(self, parts: list[str]) -> None:
+        """Every rank hands its GPU back to the engines that share it (colocate on GPU nodes; `parts`:
+        `TorchTrainer.offload`'s)."""
+        self._ray.get([t.offload.remote(parts) for t in self.trainers])
+
+    def wake_trainers(self) -> None:
+        """Every rank takes its GPU again, its state back on it (the engines released theirs)."""
+        self._ray.get([t.reload.remote() for t in self.trainers])
+
     def train_rows(self, parts: list | None, fields: tuple[str, ...], version: int) -> list:
         """Start one optimizer step on rows claimed from TransferQueue: rank r gets the metadata of its
         shard `parts[r]` and reads the rows itself (None: the rows it prefetched for `version`); rank 0
@@ -372,8 +386,9 @@ class Job:
         log.info("stopping: step %d is the last completed one", step)
         return "stopped"
 
-    def resume(self) -> int:
-        """Continue from the latest checkpoint, if any; returns the last completed step.
+    def resume(self, resync=None) -> int:
+        """Continue from the latest checkpoint, if any; returns the last completed step. `resync(version)`
+        gives the engines the loaded weights (default: `sync_weights`; colocate on GPU nodes has its own).
 
         The checkpoint directory must be this run's own (it is claimed on first use), and what an
         interrupted attempt logged after the checkpoint is dropped: those steps run again.
@@ -384,14 +399,14 @@ class Job:
 
         claim(self.ckpt_dir, self.run.run_id(), self.run.path, fingerprint(self.recipe.model_dump(mode="json")))
         resuming = (self.recipe.checkpoint.resume or self.restarted) and find_latest(self.ckpt_dir) is not None
-        step = self._load_latest() if resuming else 0
+        step = self._load_latest(resync or self.sync_weights) if resuming else 0
         self.tracker.resume_from(step)
         return step
 
-    def _load_latest(self) -> int:
+    def _load_latest(self, resync) -> int:
         progress = self._ray.get([t.load_checkpoint.remote(self.ckpt_dir) for t in self.trainers])[0]
         self.prompts.load_state_dict(progress["data"])
-        self.sync_weights(int(progress["policy_version"]))
+        resync(int(progress["policy_version"]))
         log.info("resumed from %s at step %d", self.ckpt_dir, progress["step"])
         self.checkpointed = int(progress["step"])
         self.completed = (self.checkpointed, dict(progress["data"]))

@@ -227,6 +227,15 @@ class TrainerWorker:
             self.snapshot = (snapshot_version, copy)
         return metrics
 
+    def offload(self, parts: list[str]) -> None:
+        """Hand this rank's GPU back to the engines that share it (colocate on GPU nodes): `parts` "optimizer"
+        (gradients, optimizer and critic state, reference: what a hand-over does not read), "model"."""
+        self.trainer.offload(parts)
+
+    def reload(self) -> None:
+        """Take the GPU again (the engines released their memory): everything `offload` moved."""
+        self.trainer.reload()
+
     def prefetch(self, meta, fields: tuple[str, ...], step: int) -> None:
         """Read step `step`'s shard (`meta`) from TransferQueue now, while the step before trains."""
         slot = self._slot(step)

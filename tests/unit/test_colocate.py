@@ -62,13 +62,30 @@ class _Recorder:
         self.calls.append("sync")
         return {}
 
+    def sleep_trainers(self, parts):
+        self.calls.append(("offload", parts))
 
-def test_on_shared_gpus_memory_is_released_for_training_and_resumed_around_the_weight_update():
+    def wake_trainers(self):
+        self.calls.append("reload")
+
+
+# The trainer ranks' state is on the GPU only between the engines' release and their resume: every byte the
+# engines take back (weights, then the KV cache) was handed back by the trainer first.
+SHARED_STEP = [("release", None), "reload", "train", ("offload", ["optimizer"]), ("resume", ["weights"]), "sync",
+               ("offload", ["model"]), ("resume", ["kv_cache", "cuda_graph"])]
+
+
+def test_on_shared_gpus_engines_and_trainer_ranks_take_turns_with_the_memory():
     job = _Recorder(load_recipe(FSDP))
     colocate.train_step(job, [])
     colocate.sync_weights(job, 1)
-    assert job.calls == [("release", None), "train", ("resume", ["weights"]), "sync",
-                         ("resume", ["kv_cache", "cuda_graph"])]
+    assert job.calls == SHARED_STEP
+
+
+def test_a_resumed_run_on_shared_gpus_hands_the_loaded_weights_over_in_the_same_turns():
+    job = _Recorder(load_recipe(FSDP))
+    colocate.resync(job, 4)
+    assert job.calls == [("release", None), "reload", *SHARED_STEP[3:]]
 
 
 def test_elsewhere_the_engines_keep_their_memory():

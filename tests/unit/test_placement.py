@@ -91,3 +91,56 @@ def test_the_simulated_device_refuses_what_cuda_refuses():
         assert float((on_device * torch.tensor(3.0)).sum()) == 6.0  # a 0-dim CPU tensor is a scalar
         assert on_device[torch.tensor([1])].device == DEVICE  # CPU indices into a device tensor
         assert on_device.cpu().device.type == "cpu" and on_device.tolist() == [1.0, 1.0]
+
+
+def _on_device(trainer) -> list[str]:
+    """What of the trainer's state is on the simulated device: parameters, gradients, buffers, optimizer state."""
+    from sim_device import Sim
+
+    found = []
+    modules = {"policy": trainer.model, "reference": trainer.ref_model,
+               "critic": trainer.critic.model if trainer.critic else None}
+    for what, module in modules.items():
+        for name, t in [*module.named_parameters(), *module.named_buffers()] if module is not None else []:
+            if isinstance(t, Sim) or isinstance(t.grad, Sim):
+                found.append(f"{what} {name}")
+    optimizers = {"policy": trainer.optimizer, "critic": trainer.critic.optimizer if trainer.critic else None}
+    for what, opt in optimizers.items():
+        for state in opt.state.values() if opt is not None else []:
+            found += [f"{what} optimizer {k}" for k, v in state.items() if isinstance(v, Sim)]
+    return found
+
+
+@pytest.fixture
+def swapping_conversion():
+    """`module.to()` keeps each Parameter object (the optimizer holds them) by swapping its contents: what it
+    does for CUDA tensors (`param.data = ...`) and FSDP's DTensors (`swap_tensors`), but not by itself for
+    the simulated device's wrapper tensors."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_a_trainer_that_hands_the_device_back_keeps_nothing_there_and_trains_on_unchanged(model_dirs,
+                                                                                          swapping_conversion):
+    """Colocate on GPUs: between steps the trainer offloads everything (the engines resume into the memory it
+    freed); after `reload` its next steps are exactly those of a trainer that never let go."""
+    recipe = load_recipe("recipes/quickstart.yaml", overrides("ppo", model_dirs[1]) + ["algorithm.kl.coef=0.01",
+                                                                                       "algorithm.kl.placement=loss"])
+    config = dataclasses.replace(trainer_config(recipe), device=DEVICE.type)
+    with SimDevice():
+        kept, moved = TorchTrainer(model_dirs[0], config), TorchTrainer(model_dirs[0], config)
+        expected = [kept.train_step(batch()), kept.train_step(batch())]
+        got = [moved.train_step(batch())]
+        assert _on_device(moved)  # a training trainer holds its state on the device
+        moved.offload(["optimizer"])
+        left = _on_device(moved)
+        assert left and all(name.startswith("policy") and "optimizer" not in name for name in left), left
+        moved.offload(["model"])
+        assert _on_device(moved) == []
+        moved.reload()
+        got.append(moved.train_step(batch()))
+    for a, b in zip(got, expected):
+        for key in ("loss", "grad_norm", "value_loss", "kl_loss"):
+            assert a[key] == b[key], key
