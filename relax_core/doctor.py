@@ -31,9 +31,7 @@ EXECUTORS = {
     "slurm + container": ("sbatch", "srun", "squeue", "scontrol", "apptainer"),
 }
 # Backends a recipe can name that have no code in this version (launch/preflight.py refuses them).
-NOT_AVAILABLE = {
-    "reference service on GPUs": "cluster.reference.gpus_per_node > 0",
-}
+NOT_AVAILABLE: dict[str, str] = {}
 
 
 def diagnose() -> dict[str, Any]:

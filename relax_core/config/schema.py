@@ -546,7 +546,8 @@ class ClusterConfig(Section):
     """Rollout node group (het group 1); may stay empty in colocate mode (engines then share the training nodes)."""
     reference: NodeGroup = Field(default_factory=lambda: NodeGroup(nodes=0))
     """Reference-model node group (het group 2; `fully_async` with a reference model only): the frozen reference
-    model's workers run there, one per node. 0 nodes: no group of its own, the reference runs next to the trainer."""
+    model's workers run there, one per GPU (one per node of a CPU group). 0 nodes: no group of its own, the
+    trainer ranks hold the reference model and compute its log-probs themselves."""
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     """Slurm options."""
     container: ContainerConfig = Field(default_factory=ContainerConfig)
@@ -734,6 +735,10 @@ def _reference_group_problems(r: Recipe) -> list[str]:
         return [f"cluster.reference.nodes: algorithm {r.algorithm.name} with algorithm.kl.coef=0 uses no reference "
                 "model, so a reference node group has nothing to run (set algorithm.kl.coef above 0, or "
                 "cluster.reference.nodes=0)"]
+    if r.cluster.train.gpus_per_node and not r.cluster.reference.gpus_per_node:
+        return ["cluster.reference.gpus_per_node: the reference workers would run the model on the CPUs of a "
+                "GPU recipe; give the reference group GPUs (one worker per GPU), or set cluster.reference.nodes=0 "
+                "to compute the reference log-probs in the trainer ranks"]
     return []
 
 

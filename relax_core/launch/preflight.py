@@ -227,10 +227,6 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     if recipe.logging.uses("wandb") and importlib.util.find_spec("wandb") is None:
         problems.append("logging.backends: wandb is not installed here: pip install 'relax-rl[wandb]' "
                         "(-e '.[wandb]' in a checkout), or drop it from the list")
-    if recipe.cluster.reference.gpus_per_node:
-        problems.append(f"cluster.reference.gpus_per_node: the reference service on GPUs {_NOT_YET} (it runs "
-                        "on CPU); set it to 0, or leave cluster.reference out to compute the reference "
-                        "log-probs in the trainer's processes")
     return problems
 
 
@@ -252,10 +248,9 @@ def _agentic_media_problems(recipe: Recipe) -> list[str]:
 
 def _megatron_problems(recipe: Recipe) -> list[str]:
     """What the megatron backend does not build: context parallelism (Transformer Engine's attention),
-    sequence parallelism (Transformer Engine's or Apex's norms), PPO's critic service (fully_async), a
-    distillation teacher, vision/audio models, and models other than Qwen3 / Qwen3-MoE (known from a tiny
-    model's architecture or a local model directory's config.json; a hub id is checked when the trainer
-    loads it)."""
+    sequence parallelism (Transformer Engine's or Apex's norms), a distillation teacher, vision/audio models,
+    and models other than Qwen3 / Qwen3-MoE (known from a tiny model's architecture or a local model
+    directory's config.json; a hub id is checked when the trainer loads it)."""
     train, algo, problems = recipe.train, recipe.algorithm, []
     if train.context_parallel > 1:
         problems.append(f"train.context_parallel: {train.context_parallel} (megatron-core's context parallelism "
@@ -263,10 +258,6 @@ def _megatron_problems(recipe: Recipe) -> list[str]:
     if train.sequence_parallel:
         problems.append(f"train.sequence_parallel: Megatron sequence parallelism (it needs Transformer Engine's or "
                         f"Apex's norms; the backend builds megatron-core's own layers) {_NOT_YET}; set it to false")
-    if getattr(algo, "critic", None) is not None and recipe.mode == "fully_async":
-        problems.append(f"algorithm.critic: the critic service (mode=fully_async) with train.backend=megatron "
-                        f"{_NOT_YET}; use mode=colocate or hybrid (the critic trains in the trainer's processes), "
-                        "or train.backend=torch")
     if getattr(algo, "teacher", None) is not None:
         problems.append(f"algorithm.teacher: a distillation teacher with train.backend=megatron {_NOT_YET}; "
                         "use train.backend=torch")

@@ -4,7 +4,7 @@
 - `model.trust_remote_code`: reaches each loader (trainer, critic, engine, convert-ckpt --verify),
   and a model that ships code without it is refused with exit 2;
 - `model.architecture`: the tiny builder dispatches on it;
-- what this version has no code for (Megatron and its parallelism, the reference service on GPUs) is refused
+- what this version has no code for (Megatron's context and sequence parallelism, ...) is refused
   with exit 2 naming the field by `relax validate` and by `relax submit` on every executor, `--dry-run`
   included, with nothing written. The multimodal columns (`data.image_key`, ...) act: test_media.py.
 """
@@ -147,14 +147,8 @@ UNAVAILABLE = {
     "context_parallel": ({"train": {"backend": "megatron", "context_parallel": 2}}, "context_parallel", GPUS),
     "sequence_parallel": ({"train": {"backend": "megatron", "tensor_parallel": 2, "sequence_parallel": True}},
                           "sequence_parallel", GPUS),
-    "megatron critic service": ({"train": {"backend": "megatron"}, "mode": "fully_async",
-                                 "algorithm": {"name": "ppo", "critic": {"lr": 1e-5}},
-                                 "cluster": {"rollout": {"nodes": 1}}}, "algorithm.critic", GPUS),
     "megatron vlm": ({"train": {"backend": "megatron"}, "model": {"architecture": "qwen3_vl"}},
                      "model.architecture", GPUS),
-    "reference GPUs": ({"mode": "fully_async", "algorithm": {"kl": {"coef": 0.01}},
-                        "cluster": {"reference": {"nodes": 1, "gpus_per_node": 1}}},
-                       "cluster.reference.gpus_per_node", {}),
 }
 COMMANDS = {
     "validate": ("validate",),

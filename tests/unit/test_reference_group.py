@@ -170,3 +170,32 @@ def test_logp_old_and_the_critic_are_the_trainers_own_in_every_mode(mode):
                                       "train.ppo_epochs=2"])
     assert not hasattr(launch, "actor_forward_service") and not hasattr(launch, "critic_service")
     assert trainer_config(recipe).critic_lr == 1e-3  # the trainer builds the critic
+
+
+FSDP = REPO / "recipes" / "math_dapo_qwen3_4b_fsdp.yaml"
+GPU_REFERENCE = ["mode=fully_async", "cluster.rollout.nodes=1", "algorithm.kl.coef=0.01", "cluster.reference.nodes=1"]
+
+
+def test_a_gpu_recipes_reference_workers_get_a_gpu_each_and_the_plan_shows_them():
+    from relax_core.launch.plan import plan_lines
+
+    recipe = load_recipe(FSDP, [*GPU_REFERENCE, "cluster.reference.gpus_per_node=2"])
+    from relax_core.launch.preflight import unavailable_features
+
+    assert unavailable_features(recipe) == []  # was refused: the reference service on GPUs had no code
+    lines = plan_lines(recipe, "slurm")
+    assert "  cluster.reference: 1 node x 2 GPUs = 2 GPUs: 2 reference workers (one per GPU)" in lines
+    workers = [line for line in lines if "reference worker" in line and line.startswith("  reference[")]
+    assert [line.split()[1:3] for line in workers] == [["GPU", "0"], ["GPU", "1"]]
+    assert all("with the reference model" not in line for line in lines)  # the trainer ranks do not hold it
+
+
+def test_a_gpu_recipes_reference_group_without_gpus_is_refused_naming_the_field():
+    with pytest.raises(RecipeError, match="cluster.reference.gpus_per_node: the reference workers would run the "
+                                          "model on the CPUs of a GPU recipe"):
+        load_recipe(FSDP, GPU_REFERENCE)
+    lines_in_trainer = load_recipe(FSDP, ["mode=fully_async", "cluster.rollout.nodes=1", "algorithm.kl.coef=0.01"])
+    from relax_core.launch.plan import plan_lines
+
+    assert "trainer rank 0 (torch, with the critic and the reference model)" in "\n".join(
+        plan_lines(lines_in_trainer, "slurm"))
