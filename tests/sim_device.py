@@ -30,6 +30,7 @@ import contextlib
 
 import torch
 import torch.distributed.distributed_c10d as c10d
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
@@ -60,6 +61,17 @@ class Sim(torch.Tensor):
 
     def __repr__(self) -> str:
         return f"Sim({self.inner!r})"
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """`t.data = other` swaps the wrapper's shape and strides (no op is dispatched): the data behind it
+        must follow (megatron-core's `make_viewless_tensor` makes every layer's output this way)."""
+        torch.Tensor.data.__set__(self, new)
+        self.inner = new.inner if isinstance(new, Sim) else new
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -103,6 +115,13 @@ class SimDevice(TorchDispatchMode):
             original = c10d._get_object_coll_device
             self._stack.callback(setattr, c10d, "_get_object_coll_device", original)
             c10d._get_object_coll_device = lambda group=None: DEVICE.type
+            # A gloo group serves the simulated device's tensors (its backend is the CPU's), as NCCL's
+            # serves CUDA's (`batch_isend_irecv`, the pipeline's sends, asks the group for it).
+            backend = c10d.ProcessGroup._get_backend
+            self._stack.callback(setattr, c10d.ProcessGroup, "_get_backend", backend)
+            c10d.ProcessGroup._get_backend = lambda group, device: backend(
+                group, torch.device("cpu") if torch.device(device).type == DEVICE.type else device)
+        self._stack.enter_context(_TensorFactory())
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -147,6 +166,26 @@ class SimDevice(TorchDispatchMode):
         if plain:
             raise DeviceMismatch(f"{func}: tensors on the accelerator and CPU tensors "
                                  f"{[tuple(t.shape) for t in plain]} in one op (CUDA refuses this)")
+
+
+class _TensorFactory(TorchFunctionMode):
+    """`torch.tensor(data)` as CUDA makes it, which torch does without dispatching an op: accelerator
+    tensors in `data` are read to the host (megatron-core's grad norm without Apex or Transformer Engine
+    makes a tensor of per-parameter norms), and `device="meta"` gives a `Sim` (torch would make a meta
+    tensor without data)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.tensor:
+            return func(*args, **kwargs)
+        data, *rest = args
+        sims = [x for x in _leaves(data) if isinstance(x, Sim)]
+        if sims:
+            data = tree_map(lambda x: x.inner.tolist() if isinstance(x, Sim) else x, data)
+            kwargs.setdefault("dtype", sims[0].dtype)
+        if not _wants_sim(kwargs):
+            return func(data, *rest, **kwargs)
+        return Sim(func(data, *rest, **dict(kwargs, device="cpu")))
 
 
 def _leaves(tree) -> list:

@@ -22,6 +22,8 @@ files with torch's DCP reader (`hf_weights.checkpoint_to_hf` names them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import os
 import random
 from pathlib import Path
@@ -45,36 +47,57 @@ _NOT_MODEL = ("optimizer.", "chained_", "rng_state", "opt_param_scheduler", "ite
 
 
 def megatron_args(trainer) -> argparse.Namespace:
-    """The `args` Megatron-LM checks when it loads a checkpoint (`check_checkpoint_args`)."""
-    c, par = trainer.hf_config, trainer.par
+    """The `args` Megatron-LM saves, complete enough for its `check_checkpoint_args` and for what rebuilds
+    the model from them: Megatron-Bridge's `_transformer_config_from_args` (training/mlm_compat/
+    arguments.py, 0.3.1) copies every `TransformerConfig` field the args have, then reads Megatron-LM's
+    own names (`norm_epsilon`, `swiglu`, `multi_latent_attention`, `num_experts`, `cp_comm_type`, ...);
+    its `_gpt_provider` (mlm_compat/model.py) reads the layer spec's and GPTModel's (`transformer_impl`,
+    `qk_l2_norm`, `padded_vocab_size`, `use_rope_scaling`, ...). So: the model's own config, field by
+    field, and Megatron-LM's names on top, each with the value this model was built with."""
+    c, par, cfg = trainer.hf_config, trainer.par, trainer.config
+    config = trainer.module.config
     heads = c["num_attention_heads"]
-    return argparse.Namespace(
-        num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
-        num_attention_heads=heads, num_query_groups=c.get("num_key_value_heads") or heads,
-        group_query_attention=(c.get("num_key_value_heads") or heads) != heads,
-        kv_channels=c.get("head_dim") or c["hidden_size"] // heads, max_position_embeddings=c.get(
-            "max_position_embeddings"), position_embedding_type="rope", normalization="RMSNorm",
-        swiglu=True, qk_layernorm=True, untie_embeddings_and_output_weights=not c.get("tie_word_embeddings"),
-        padded_vocab_size=trainer.module.vocab_size, tensor_model_parallel_size=par.tp,
-        pipeline_model_parallel_size=par.pp, context_parallel_size=par.cp, expert_model_parallel_size=par.ep,
-        sequence_parallel=par.sequence_parallel, num_experts=c.get("num_experts") or c.get("num_local_experts"),
-        moe_router_topk=c.get("num_experts_per_tok"), transformer_impl="local", ckpt_format="torch_dist",
-        params_dtype=getattr(torch, trainer.config.dtype), bf16=trainer.config.dtype == "bfloat16", fp16=False,
-        use_distributed_optimizer=trainer.distributed_optimizer, data_parallel_size=trainer.world_size,
-        world_size=dist.get_world_size(), seed=trainer.config.seed, lr=trainer.config.lr,
-        iteration=trainer.step, consumed_train_samples=trainer.step * trainer.config.samples_per_step,
-        skipped_train_samples=0, consumed_valid_samples=0, global_batch_size=trainer.config.samples_per_step,
-        make_vocab_size_divisible_by=VOCAB_DIVISOR, tokenizer_type="HuggingFaceTokenizer",
-        tokenizer_model=str(trainer.model_path), data_parallel_random_init=False, no_save_optim=False,
-        no_save_rng=False, ckpt_fully_parallel_save=False, add_position_embedding=False,
-        use_rotary_position_embeddings=True, rotary_base=rope_theta(c), rotary_percent=1.0,
-        rotary_interleaved=False, add_bias_linear=False, add_qkv_bias=bool(c.get("attention_bias")),
-        apply_layernorm_1p=False, attention_dropout=0.0, hidden_dropout=0.0, seq_length=c.get(
-            "max_position_embeddings"), virtual_pipeline_model_parallel_size=None,
-        moe_ffn_hidden_size=c.get("moe_intermediate_size"), moe_grouped_gemm=False, moe_layer_freq=1,
-        moe_token_dispatcher_type="alltoall", moe_router_score_function="softmax",
-        moe_router_pre_softmax=not c.get("norm_topk_prob", True), moe_shared_expert_intermediate_size=None,
+    groups = c.get("num_key_value_heads") or heads
+    args = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if _plain(getattr(config, f.name))}
+    args.update(
+        # the architecture, in Megatron-LM's names
+        num_query_groups=groups, group_query_attention=groups != heads, norm_epsilon=config.layernorm_epsilon,
+        swiglu=True, squared_relu=False, multi_latent_attention=False, heterogeneous_layers_config_path=None,
+        is_hybrid_model=False, experimental_attention_variant=None, qk_l2_norm=False, apply_layernorm_1p=False,
+        no_persist_layer_norm=not config.persist_layer_norm, bias_swiglu_fusion=config.bias_activation_fusion,
+        bias_gelu_fusion=False, init_method_xavier_uniform=False, rotary_interleaved=config.rotary_interleaved,
+        num_experts=config.num_moe_experts, moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False,
+        moe_layer_freq=1, moe_router_score_function="softmax", moe_shared_expert_intermediate_size=None,
+        mtp_num_layers=None, decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+        fp8_param_gather=False, overlap_p2p_comm=False, cp_comm_type=[config.cp_comm_type or "p2p"],
+        config_logger_dir="", spec=None, transformer_impl="local", init_model_with_meta_device=False,
+        # GPTModel's arguments
+        padded_vocab_size=trainer.module.vocab_size, max_position_embeddings=c.get("max_position_embeddings"),
+        seq_length=c.get("max_position_embeddings"), position_embedding_type="rope", add_position_embedding=False,
+        use_rotary_position_embeddings=True, rotary_base=rope_theta(c), rotary_percent=1.0, use_rope_scaling=False,
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings"), fp16_lm_cross_entropy=False,
+        make_vocab_size_divisible_by=VOCAB_DIVISOR, swiglu_ffn_hidden_size=None,
+        # precision
+        params_dtype=getattr(torch, cfg.dtype), bf16=cfg.dtype == "bfloat16", fp16=False,
+        # the run
+        tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp, context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep, sequence_parallel=par.sequence_parallel,
+        virtual_pipeline_model_parallel_size=None, use_distributed_optimizer=trainer.distributed_optimizer,
+        data_parallel_size=trainer.world_size, world_size=dist.get_world_size(), seed=cfg.seed, lr=cfg.lr,
+        iteration=trainer.step, consumed_train_samples=trainer.step * cfg.samples_per_step,
+        skipped_train_samples=0, consumed_valid_samples=0, global_batch_size=cfg.samples_per_step,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(trainer.model_path),
+        data_parallel_random_init=False, no_save_optim=False, no_save_rng=False, ckpt_fully_parallel_save=False,
+        ckpt_format="torch_dist",
     )
+    return argparse.Namespace(**args)
+
+
+def _plain(value) -> bool:
+    """A value Megatron-LM's args could hold (no functions, process groups or other objects)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
+        return True
+    return isinstance(value, (list, tuple)) and all(_plain(v) for v in value)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -131,7 +154,7 @@ def save(ckpt_dir: str | os.PathLike, iteration: int, trainer, progress: dict[st
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     staging = layout.tmp_dir_for(root, layout.iteration_dirname(iteration))
     dcp._on_rank0(lambda: dcp._prepare(root, staging), None)
-    with compat.on_cpu():
+    with compat.on_device():
         dist_checkpointing.save(_state(trainer, iteration, progress), str(staging),
                                 content_metadata=trainer.CONTENT_METADATA)
     meta = dcp._meta(iteration, hf_dir, NAMING, None)
@@ -165,7 +188,7 @@ def load(ckpt_dir: str | os.PathLike, trainer, iteration: int | None = None) -> 
         same_grid = same_grid and grid.get("ep") == trainer.par.ep and grid.get("dp") == trainer.world_size
     template = _state(trainer, iteration, None, rng=same_grid, loading=True)
     template.pop("args")
-    with compat.on_cpu():
+    with compat.on_device():
         loaded = dist_checkpointing.load(template, str(iter_dir))
     trainer.load_sharded(loaded)
     trainer.step = int(loaded["iteration"])
@@ -187,7 +210,15 @@ def _restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch_rng_state"])
     if torch.cuda.is_available() and "cuda_rng_state" in state:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if _same_kind(tracker.get_states(), state["rng_tracker_states"]):  # not a CPU run's states on a GPU
+        tracker.set_states(state["rng_tracker_states"])
+
+
+def _same_kind(current: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """The saved tracker states are states of this device's generator (same names, same sizes)."""
+    return current.keys() == saved.keys() and all(
+        torch.is_tensor(saved[k]) and saved[k].numel() == current[k].numel() for k in current)
 
 
 def model_keys(metadata) -> list[str]:
@@ -200,9 +231,18 @@ def model_keys(metadata) -> list[str]:
             and "_extra_state" not in name]
 
 
-def reference_model(iter_dir: Path, config: dict[str, Any]):
+def saved_dtype(metadata) -> torch.dtype:
+    """The dtype the checkpoint holds the model's weights in (the run's parameter dtype)."""
+    dtypes = {metadata.state_dict_metadata[name].properties.dtype for name in model_keys(metadata)}
+    return torch.float32 if torch.float32 in dtypes or not dtypes else dtypes.pop()
+
+
+def reference_model(iter_dir: Path, config: dict[str, Any], *, dtype: torch.dtype = torch.float32,
+                    device: str = "cpu"):
     """The megatron-core model of a checkpoint, on this process alone (TP = PP = EP = 1, whatever layout
-    the run saved with: `dist_checkpointing` reshards), as an HF-like causal LM (`forward.CausalLM`)."""
+    the run saved with: `dist_checkpointing` reshards), every parameter in `dtype` on `device`, as an
+    HF-like causal LM (`forward.CausalLM`). The checkpoint is read into the model's own parameters: the
+    model is all the memory it takes."""
     from megatron.core import dist_checkpointing
 
     from relax_core.train.megatron import compat
@@ -211,11 +251,13 @@ def reference_model(iter_dir: Path, config: dict[str, Any]):
     from relax_core.train.megatron.parallel import initialize
     from relax_core.train.megatron.trainer import ensure_world
 
-    ensure_world("cpu")
-    initialize(Parallel(), seed=0)
-    model = build_model(config, Parallel())
+    compat.install(device)
+    ensure_world(device)
+    initialize(Parallel(), seed=0, device=device)
+    model = build_model(config, Parallel(), dtype=str(dtype).removeprefix("torch."), device=device)
+    model.to(dtype)  # the norms too (megatron-core makes them in fp32)
     template = model.sharded_state_dict()
-    with compat.on_cpu():
+    with compat.on_device():
         loaded = dist_checkpointing.load(template, str(iter_dir))
     model.load_state_dict({key: value for key, value in loaded.items() if key in template})  # not the common
     return CausalLM(model.eval(), config["vocab_size"]).eval()

@@ -10,6 +10,9 @@ Roles:
   the HF model's, and the gathered HF tensors against the safetensors file;
 - step: one training step on `SAMPLES` (rank r gets its world-rank shard, as the controller hands them);
   metrics, the gathered HF tensors, how often layer 0 ran forward;
+- placed: a step, log-probs, logits and the gathered weights with the trainer on a device (the simulated
+  accelerator of `tests/sim_device.py`, or the CPU to compare with);
+- contract: save a step, then what Megatron-LM and TE need of loading it (optimizer state keys, RNG tracker);
 - save / resume: train, save a Megatron checkpoint / load it (maybe with another layout) and train on;
 - sync: one step, then the weights broadcast to a CPU engine; the engine's log-probs against the trainer's.
 """
@@ -49,7 +52,8 @@ def trainer_config(args: dict):
     extra = {"critic_lr": 1e-3, "critic_value_clip": 0.2} if args.get("critic") else {}
     return TorchTrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=3, num_threads=1,
                               algorithm=args.get("algorithm", "grpo"), num_mini_batches=args.get("minis", 1),
-                              recompute_activations=bool(args.get("recompute")), **extra)
+                              recompute_activations=bool(args.get("recompute")), dtype=args.get("dtype", "float32"),
+                              device=args.get("device", "cpu"), weight_decay=args.get("weight_decay", 0.0), **extra)
 
 
 def build(args: dict, layout: dict | None = None):
@@ -99,6 +103,62 @@ def role_step(rank: int, world: int, args: dict) -> None:
     weights = dict(trainer.named_parameters_for_sync())
     if rank == 0:
         torch.save({"metrics": metrics, "weights": weights, "layer_calls": calls[0]}, args["out"])
+
+
+def role_placed(rank: int, world: int, args: dict) -> None:
+    """The trainer on `args["device"]`; with "meta", in `tests/sim_device.py`'s simulated accelerator (every
+    op and collective refuses CPU tensors beside the accelerator's): the weights gathered before a step,
+    a step's metrics, log-probs, logits and the weights after it, all on the host."""
+    import contextlib
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from sim_device import SimDevice
+
+    rows = my_shard(samples(), rank, world)
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [5, 6, 7, 3, 10, 0, 0]])
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    placed = SimDevice(accelerator_collectives=True) if args["device"] == "meta" else contextlib.nullcontext()
+    with placed:
+        trainer = build(args)
+        before = {name: t.to("cpu", copy=True) for name, t in trainer.named_parameters_for_sync()}
+        metrics = trainer.train_step(rows)
+        logprobs = trainer.compute_logprobs(rows)
+        logits = trainer.logits(ids, mask).cpu()
+        after = {name: t.cpu() for name, t in trainer.named_parameters_for_sync()}
+        dtypes = sorted({str(p.dtype) for p in trainer.module.parameters()})
+        groups = [(group["weight_decay"], sorted({p.dim() for p in group["params"]}))
+                  for group in trainer.optimizer.param_groups if group["params"]]
+        masters = sorted({str(p.dtype) for group in trainer.optimizer.param_groups for p in group["params"]})
+    if rank == 0:
+        torch.save({"before": before, "metrics": metrics, "logprobs": logprobs, "logits": logits, "after": after,
+                    "dtypes": dtypes, "groups": groups, "masters": masters}, args["out"])
+
+
+def role_contract(rank: int, world: int, args: dict) -> None:
+    """What Megatron-LM and Transformer Engine need of a checkpoint: a step saved; then a fresh trainer's
+    loading template (its optimizer's state keys), and after loading, the RNG tracker's named states and a
+    `fork()` of its model-parallel state (Megatron-LM's first use of it after a load)."""
+    from megatron.core import tensor_parallel
+
+    from relax_core.checkpoint import megatron as megatron_ckpt
+
+    trainer = build(args)
+    trainer.train_step(my_shard(samples(), rank, world))
+    megatron_ckpt.save(args["ckpt"], 1, trainer, {"step": 1}, hf_dir=args["model"])
+    fresh = build(args)
+    fresh.sharded_state_dict(loading=True)
+    chained = getattr(fresh.optimizer, "chained_optimizers", [fresh.optimizer])
+    keys = sorted({key for opt in chained for state in opt.optimizer.state.values()
+                   for key in state})
+    megatron_ckpt.load(args["ckpt"], fresh)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    with tracker.fork():
+        pass
+    if rank == 0:
+        Path(args["out"]).write_text(json.dumps({"template_state_keys": keys,
+                                                 "tracker_states": sorted(tracker.get_states())}))
 
 
 def role_save(rank: int, world: int, args: dict) -> None:
@@ -195,7 +255,8 @@ def run_ranks(role: str, args: dict, port: int, env: dict, timeout_s: float = 60
     return code, log.read_text()
 
 
-ROLES = {"logits": role_logits, "step": role_step, "save": role_save, "resume": role_resume, "sync": role_sync}
+ROLES = {"logits": role_logits, "step": role_step, "placed": role_placed, "contract": role_contract,
+         "save": role_save, "resume": role_resume, "sync": role_sync}
 
 
 def _rank(rank: int, world: int, port: int, role: str, args: dict) -> None:

@@ -195,7 +195,7 @@ config = json.load(open("{quickstart_run}/model/config.json"))
 model = build_model(config, Parallel())
 before = {{k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
 template = model.sharded_state_dict()
-with compat.on_cpu():
+with compat.on_device():
     loaded = dist_checkpointing.load(template, "{quickstart_run}/checkpoints/iter_0000150")
 model.load_state_dict({{k: v for k, v in loaded.items() if k in template}})
 changed = sum(not torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)

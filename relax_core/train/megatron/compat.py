@@ -6,12 +6,15 @@ created with `device="cuda"` (the pipeline schedules, the optimizer's grad
 norm), the optimizers' checks that a gradient's `type()` is
 `torch.cuda.FloatTensor`, the MoE all-to-all dispatcher's side stream,
 `torch.cuda.synchronize()` around checkpoint saves, the CUDA RNG that
-activation recomputation saves and restores, and Transformer
-Engine's GEMM picked for the router when TE imports. On CPU `install()` points
-those at the CPU, and `on_cpu()` (a torch function mode, entered around every
-Megatron call) turns the hard-coded `device="cuda"` and `.cuda()` into CPU
-ones. On a GPU only the distributed optimizer's load fix (`_torch_adam_loads`,
-needed wherever megatron-core falls back to torch's Adam) is installed.
+activation recomputation and its RNG tracker save and restore, and Transformer
+Engine's GEMM picked for the router when TE imports. Without a GPU
+`install(device)` points those at the trainer's device (the CPU; in the
+placement tests a simulated accelerator, `tests/sim_device.py`), and
+`on_device()` (a torch function mode, entered around every Megatron call)
+turns the hard-coded `device="cuda"` and `.cuda()` into that device. On a GPU
+only the distributed optimizer's fixes for torch's Adam (`_torch_adam_loads`,
+`_torch_adam_template`: wherever megatron-core falls back to torch's Adam) are
+installed.
 
 Each shim can go when megatron-core stops assuming CUDA there (checked against
 0.16.1): upstream keeps the `device=` of these calls in the callers, so a
@@ -23,30 +26,33 @@ is missing.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _installed = False
+_device = torch.device("cpu")  # where megatron-core's CUDA allocations go on a machine without a GPU
 
 
 def gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def install() -> None:
-    """Point megatron-core's CUDA-only helpers at the CPU (idempotent; nothing on a GPU machine)."""
-    global _installed
+def install(device: str | torch.device = "cpu") -> None:
+    """Point megatron-core's CUDA-only helpers at `device` (the trainer's; nothing on a GPU machine). The
+    patches are made once; the device is the last one asked for (one trainer per process)."""
+    global _installed, _device
+    _device = torch.device(device)
     if _installed:
         return
     _installed = True
     _torch_adam_loads()
+    _torch_adam_template()
     if gpu():
         return
-    # GlobalMemoryBuffer.get_tensor, the p2p buffers and the optimizer's buffers allocate on
-    # `torch.cuda.current_device()`.
-    torch.cuda.current_device = lambda: "cpu"
+    # GlobalMemoryBuffer.get_tensor, the p2p buffers, the optimizer's buffers and the rotary embedding's
+    # frequencies allocate on `torch.cuda.current_device()`.
+    torch.cuda.current_device = lambda: _device
     # dist_checkpointing's save and the timers synchronise the device; the CPU has nothing to wait for.
     torch.cuda.synchronize = lambda *args, **kwargs: None
     # With Transformer Engine importable the router's GEMM would run through it (GPU only).
@@ -65,6 +71,9 @@ def install() -> None:
 
     mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    # The tracker's `add` seeds each named state through `torch.cuda.manual_seed` / `get_rng_state`, which a
+    # torch without CUDA does not have: a CPU generator seeded alike stands in.
+    mcore_random.CudaRNGStatesTracker = _host_tracker(mcore_random.CudaRNGStatesTracker)
 
 
 _NO_STREAM = object()
@@ -106,6 +115,33 @@ def _torch_adam_loads() -> None:
     distrib_optimizer.DistributedOptimizer.load_state_dict = load_state_dict
 
 
+def _torch_adam_template() -> None:
+    """The distributed optimizer's loading template (`sharded_state_dict(is_loading=True)`) first reads its
+    own `state_dict()`, which with torch's Adam takes the step from the per-parameter state and asserts
+    there is one: a fresh optimizer (resuming before any step) has none. Each parameter without state
+    gets zero moments at step 0 first (the load replaces them). Only for torch's Adam: Transformer
+    Engine's and Apex's FusedAdam keep the step in the parameter group and their `state_dict()` refuses a
+    state entry other than exp_avg, exp_avg_sq and master_param (TE `FusedAdam.get_unscaled_state`).
+    Can go when megatron-core's `DistributedOptimizer.state_dict` accepts a torch Adam without state."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    original = distrib_optimizer.DistributedOptimizer.sharded_state_dict
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if is_loading:
+            inner = self.optimizer
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    if not inner.state[param]:
+                        inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                                                  exp_avg_sq=torch.zeros_like(param))
+        return original(self, model_sharded_state_dict or {}, is_loading, *args, **kwargs)
+
+    distrib_optimizer.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+
+
 def _host_counts(self, point, tokens_per_expert=None):
     """`_maybe_dtoh_and_synchronize` without a stream: the all-to-all's split sizes become the numpy
     arrays the GPU path makes of them (its copies to the host are no-ops for host tensors)."""
@@ -117,44 +153,51 @@ def _host_counts(self, point, tokens_per_expert=None):
     return tokens_per_expert
 
 
-def _to_cpu(device):
+def _host_tracker(base: type) -> type:
+    """megatron-core's RNG tracker (`base`) with its named states made by a seeded CPU generator."""
+
+    class HostRNGStatesTracker(base):
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"cuda rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    return HostRNGStatesTracker
+
+
+def _to_device(device):
     if device is None:
         return None
     if isinstance(device, int):
-        return torch.device("cpu")
+        return _device
     dev = torch.device(device)
-    return torch.device("cpu") if dev.type == "cuda" else dev
+    return _device if dev.type == "cuda" else dev
 
 
-class _CpuMode(TorchFunctionMode):
-    """`device="cuda"` (or an index) becomes the CPU in tensor factories; `.cuda()` is a no-op; `t.type()`
-    names a CPU tensor as its CUDA kind (the optimizers assert `torch.cuda.FloatTensor` gradients and
-    pick their fp32 master copies by `torch.cuda.BFloat16Tensor`)."""
+class _DeviceMode(TorchFunctionMode):
+    """`device="cuda"` (or an index) becomes the trainer's device in tensor factories; `.cuda()` moves
+    there; `t.type()` names a tensor as its CUDA kind (the optimizers assert `torch.cuda.FloatTensor`
+    gradients and pick their fp32 master copies by `torch.cuda.BFloat16Tensor`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
-            return args[0]
+            return args[0].to(_device)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
+            name = func(*args).replace(f"torch.{_device.type}.", "torch.", 1)
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
-            kwargs["device"] = _to_cpu(kwargs["device"])
+            kwargs["device"] = _to_device(kwargs["device"])
         if func is torch.Tensor.to and args and len(args) > 1 and isinstance(args[1], (str, torch.device, int)) \
                 and not isinstance(args[1], bool):
-            args = (args[0], _to_cpu(args[1]), *args[2:])
+            args = (args[0], _to_device(args[1]), *args[2:])
         return func(*args, **kwargs)
 
 
-def on_cpu():
-    """Context for a megatron-core call: on CPU, hard-coded CUDA devices become the CPU."""
-    return contextlib.nullcontext() if gpu() else _CpuMode()
-
-
-def cpu_safe(fn):
-    """Decorator: run `fn` inside `on_cpu()`."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with on_cpu():
-            return fn(*args, **kwargs)
-    return wrapper
+def on_device():
+    """Context for a megatron-core call: without a GPU, hard-coded CUDA devices become the trainer's."""
+    return contextlib.nullcontext() if gpu() else _DeviceMode()

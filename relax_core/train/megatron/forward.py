@@ -51,7 +51,7 @@ class CausalLM(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         mask = attention_mask_(attention_mask, position_ids)
-        with compat.on_cpu():
+        with compat.on_device():
             logits = self.model(input_ids, position_ids, mask)
         return SimpleNamespace(logits=full_logits(logits, self.vocab_size))
 

@@ -139,7 +139,7 @@ def join_global(e: Entry, parts: list[torch.Tensor], dims: Dims, vocab_rows: int
         return torch.cat(parts, dim=0)
     if e.kind == "vocab":
         (t,) = parts
-        pad = torch.zeros(vocab_rows - t.shape[0], *t.shape[1:], dtype=t.dtype)
+        pad = torch.zeros(vocab_rows - t.shape[0], *t.shape[1:], dtype=t.dtype, device=t.device)
         return torch.cat([t, pad], dim=0)
     return parts[0]
 
@@ -314,6 +314,10 @@ def gather_hf(model: torch.nn.Module, config: dict[str, Any], dtype: torch.dtype
 
     rank, dims = Rank.current(config), Dims.of(config)
     params = dict(model.named_parameters())
+    # A stage receives what another one holds: it allocates the tensor in the dtype it is sent in (the
+    # one asked for, else the model's), never in the dtype of one of its own parameters.
+    sent = dtype or model.config.params_dtype
+    device = next(iter(params.values())).device
     ep_group, pp_group = ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
     for name in global_names(config):
         e = entry(name)
@@ -324,12 +328,10 @@ def gather_hf(model: torch.nn.Module, config: dict[str, Any], dtype: torch.dtype
             full = join_slices(e, _all_gather(params[_local_name(name, rank)].detach(), _tp_group(e)))
             if e.expert and rank.ep_size > 1:
                 full = _all_gather(full, ep_group)[ep]
+            full = full.to(sent) if rank.pp_size > 1 else full
         else:
-            full = None
+            full = torch.empty(_global_shape(name, config, rank), dtype=sent, device=device)
         if rank.pp_size > 1:
-            if full is None:
-                full = torch.empty(_global_shape(name, config, rank), dtype=next(iter(params.values())).dtype,
-                                   device=next(iter(params.values())).device)
             dist.broadcast(full, group=pp_group, src=dist.get_global_rank(pp_group, stage))
         for hf_name, tensor in zip(e.hf, split_global(e, full, dims)):
             yield hf_name, tensor if dtype is None else tensor.to(dtype)

@@ -102,7 +102,7 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 
 def transformer_config(config: dict[str, Any], par: Parallel, *, dtype: str = "float32",
-                       recompute: bool = False, gpu: bool = False):
+                       recompute: bool = False, cpu_init: bool = True):
     """megatron-core's `TransformerConfig` for this HF config and these parallel sizes."""
     import torch
     import torch.nn.functional as F
@@ -122,13 +122,13 @@ def transformer_config(config: dict[str, Any], par: Parallel, *, dtype: str = "f
         bias_activation_fusion=False, tensor_model_parallel_size=par.tp, pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp, expert_model_parallel_size=par.ep, sequence_parallel=par.sequence_parallel,
         params_dtype=params_dtype, pipeline_dtype=params_dtype, bf16=dtype == "bfloat16",
-        use_cpu_initialization=not gpu, init_method_std=config.get("initializer_range", 0.02),
+        use_cpu_initialization=cpu_init, init_method_std=config.get("initializer_range", 0.02),
         # The pipeline's stages tell each other each micro-batch's shape (its length varies). The experts'
         # tokens are exchanged with all-to-all, which takes a different token count from each rank (the
         # allgather dispatcher needs equal ones); megatron-core wants it with variable lengths even in a
         # dense model (which has no dispatcher).
         variable_seq_lengths=par.pp > 1, moe_token_dispatcher_type="alltoall",
-        calculate_per_token_loss=True, attention_softmax_in_fp32=True,
+        calculate_per_token_loss=True, attention_softmax_in_fp32=True, transformer_impl="local",
     )
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -152,16 +152,26 @@ def layer_spec(config: dict[str, Any]):
     return get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
 
 
-def build_model(config: dict[str, Any], par: Parallel, *, dtype: str = "float32", recompute: bool = False):
-    """This rank's stage of the model (parallel state initialised: `parallel.initialize`), in eval mode
-    (dropout is off anyway; eval keeps any module-level randomness out)."""
+def build_model(config: dict[str, Any], par: Parallel, *, dtype: str = "float32", recompute: bool = False,
+                device: str = "cpu"):
+    """This rank's stage of the model (parallel state initialised: `parallel.initialize`) on `device`, in
+    eval mode (dropout is off anyway; eval keeps any module-level randomness out).
+
+    Off the CPU megatron-core makes its weights on CUDA's current device (without a GPU the trainer's:
+    `compat.install`), as on a GPU; what it makes on the host regardless (torch's norms) is moved there
+    keeping megatron-core's attributes (`tensor_model_parallel`, `allreduce`, `sequence_parallel`, ...),
+    which the optimizer and the gradient reductions read."""
+    import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from relax_core.train.megatron import compat
 
-    tc = transformer_config(config, par, dtype=dtype, recompute=recompute, gpu=compat.gpu())
-    with compat.on_cpu():
+    target = torch.device(device)
+    if target.type == "cuda" and target.index is None:  # what the tensors report: cuda:N
+        target = torch.device("cuda", torch.cuda.current_device())
+    tc = transformer_config(config, par, dtype=dtype, recompute=recompute, cpu_init=target.type == "cpu")
+    with compat.on_device():
         model = GPTModel(
             tc, layer_spec(config), vocab_size=padded_vocab(config["vocab_size"], par.tp),
             max_sequence_length=config.get("max_position_embeddings", 4096),
@@ -169,6 +179,20 @@ def build_model(config: dict[str, Any], par: Parallel, *, dtype: str = "float32"
             parallel_output=True, share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),
             position_embedding_type="rope", rotary_base=rope_theta(config),
         )
-    if compat.gpu():
-        model.cuda()
-    return model
+    return move(model, target)
+
+
+def move(module, device):
+    """`module` with every parameter and buffer on `device`; a moved parameter keeps its attributes."""
+    import torch
+
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.device != device:
+                moved = torch.nn.Parameter(param.detach().to(device), requires_grad=param.requires_grad)
+                moved.__dict__.update({k: v for k, v in param.__dict__.items() if k not in moved.__dict__})
+                sub._parameters[name] = moved
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and buffer.device != device:
+                sub._buffers[name] = buffer.to(device)
+    return module

@@ -11,12 +11,14 @@ differs:
 - forward and backward run through megatron-core's own schedule
   (`get_forward_backward_func`: 1F1B with pipeline parallelism), with the loss
   function computing `_loss_from` on the last stage;
-- the model is wrapped in megatron-core's `DistributedDataParallel` and the
-  gradients are finished by `finalize_model_grads` (data-parallel sums,
+- the model is wrapped in megatron-core's `DistributedDataParallel` (in bf16
+  runs around its `Float16Module`, every parameter in bf16, as Megatron-LM
+  trains) and the gradients are finished by `finalize_model_grads` (data-parallel sums,
   sequence-parallel norms, pipeline-tied embeddings) and stepped by
   megatron-core's optimizer (`get_megatron_optimizer`: Adam with decoupled
-  weight decay, none on biases and norms, gradient clipping over the
-  model-parallel ranks, optionally the distributed optimizer);
+  weight decay, none on biases and norms, fp32 master weights of bf16
+  parameters, gradient clipping over the model-parallel ranks, optionally
+  the distributed optimizer);
 - "data parallel" means Megatron's data-parallel group: the ranks of one
   model-parallel group (TP x PP) first pool the samples the controller
   handed each of them, so all of them train on the same rows;
@@ -66,8 +68,11 @@ class LambdaSchedule:
         self._apply()
 
     def _apply(self) -> None:
+        # What Megatron-LM's OptimizerParamScheduler sets: megatron-core's param groups only say how much of
+        # the weight decay each takes (`wd_mult`: 0 for biases and 1-D parameters, the norms).
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.lr * self.factor(self.num_steps)
+            group["weight_decay"] = self.cfg.weight_decay * group.get("wd_mult", 1.0)
 
     def get_last_lr(self) -> list[float]:
         return [self.cfg.lr * self.factor(self.num_steps)]
@@ -119,9 +124,9 @@ class MegatronTrainer(TorchTrainer):
         torch.manual_seed(cfg.seed)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        compat.install()
+        compat.install(cfg.device)
         ensure_world(cfg.device)
-        initialize(parallel, cfg.seed)
+        initialize(parallel, cfg.seed, cfg.device)
         self.par = parallel
         self.distributed_optimizer = distributed_optimizer
         self.model_path = Path(model_path)
@@ -132,17 +137,17 @@ class MegatronTrainer(TorchTrainer):
         self.group = ps.get_data_parallel_group()
         self.frozen: list[str] = []
         self.module = self._load(self.model_path, cfg.dtype, cfg.recompute_activations)
-        self.ddp = self._wrap(self.module, distributed_optimizer)
+        self.ddp = self._wrap(self._in_compute_dtype(self.module), distributed_optimizer)
         self.model = self.ddp
         self.ref_model = None
         if (cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward) and not cfg.reference_service:
-            self.ref_model = self._load(Path(ref_model_path or model_path), cfg.dtype, False)
+            self.ref_model = self._in_compute_dtype(self._load(Path(ref_model_path or model_path), cfg.dtype, False))
             self.ref_model.requires_grad_(False)
         self.teacher = None
         # PPO's critic: the torch backend's (an HF model with a value head, replicated on every rank, its
         # gradients summed over the data-parallel group), trained on the same pooled mini-batches.
         self.critic = None
-        if cfg.critic_lr is not None and not cfg.critic_service:
+        if cfg.critic_lr is not None:
             from relax_core.train.critic import Critic
 
             self.critic = Critic.from_config(model_path, cfg)
@@ -160,10 +165,22 @@ class MegatronTrainer(TorchTrainer):
         from relax_core.train.megatron import hf_weights
 
         config = json.loads((path / "config.json").read_text())
-        module = build_model(config, self.par, dtype=dtype, recompute=recompute)
+        module = build_model(config, self.par, dtype=dtype, recompute=recompute, device=self.config.device)
         handles = _safetensors(path, safe_open)
         hf_weights.load_hf(module, config, lambda name: handles[name].get_tensor(name))
         return module.eval()
+
+    @staticmethod
+    def _in_compute_dtype(module: torch.nn.Module) -> torch.nn.Module:
+        """bf16: the model as Megatron-LM trains it, in megatron-core's `Float16Module` (every parameter in
+        bf16, the norms too; megatron-core's optimizer then keeps an fp32 master copy of each); fp32: as is.
+        The wrapped module keeps its parameter names (`self.module` is the inner one)."""
+        if not module.config.bf16:
+            return module
+        from megatron.core.transformer.module import Float16Module
+
+        with compat.on_device():
+            return Float16Module(module.config, module).eval()
 
     def _wrap(self, module: torch.nn.Module, distributed_optimizer: bool):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -171,7 +188,7 @@ class MegatronTrainer(TorchTrainer):
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=distributed_optimizer,
                                                    check_for_nan_in_grad=False)
-        with compat.on_cpu():
+        with compat.on_device():
             return DistributedDataParallel(module.config, ddp_config, module)
 
     def _build_optimizer(self, distributed_optimizer: bool):
@@ -184,7 +201,7 @@ class MegatronTrainer(TorchTrainer):
             clip_grad=cfg.grad_clip if cfg.grad_clip > 0 else 0.0, bf16=cfg.dtype == "bfloat16",
             params_dtype=getattr(torch, cfg.dtype), use_distributed_optimizer=distributed_optimizer,
         )
-        with compat.on_cpu():
+        with compat.on_device():
             return get_megatron_optimizer(opt_config, [self.ddp])
 
     # ---------------------------------------------------------- groups
@@ -229,11 +246,14 @@ class MegatronTrainer(TorchTrainer):
         idle = self._idle_batch()
         items = [(i, b if b is not None else idle) for i, b in enumerate(batches)]
         vocab = self.hf_config["vocab_size"]
+        # bf16 logits to the loss (`response_logprobs` takes fp32 of the response rows only), not a
+        # [tokens x vocabulary] fp32 copy made by Float16Module.
+        half = {"fp32_output": False} if self.module.config.bf16 else {}
 
         def forward_step(data_iterator, chunk):
             index, mb = next(data_iterator)
             mask = attention_mask_(mb.attention_mask, mb.position_ids)
-            output = chunk(mb.input_ids, mb.position_ids, mask)
+            output = chunk(mb.input_ids, mb.position_ids, mask, **half)
 
             def loss_func(logits):
                 loss = loss_fn(index, full_logits(logits, vocab), mb) if batches[index] is not None \
@@ -244,7 +264,7 @@ class MegatronTrainer(TorchTrainer):
         if not items:
             return
         longest = max(b.input_ids.shape[1] for _, b in items)
-        with compat.on_cpu():
+        with compat.on_device():
             get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(items), model=[model],
                 num_microbatches=len(items), seq_length=longest, micro_batch_size=items[0][1].input_ids.shape[0],
@@ -274,7 +294,8 @@ class MegatronTrainer(TorchTrainer):
 
         with torch.no_grad():
             self._schedule(model, list(batches), loss_fn, forward_only=True)
-        return [self._from_last_stage(out.get(i, torch.zeros(b.loss_mask.shape))) for i, b in enumerate(batches)]
+        return [self._from_last_stage(out.get(i, torch.zeros(b.loss_mask.shape, device=b.loss_mask.device)))
+                for i, b in enumerate(batches)]
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -282,10 +303,12 @@ class MegatronTrainer(TorchTrainer):
         pipeline stage's, sent to the others): what `convert-ckpt --verify` and the parity tests compare."""
         from relax_core.train.batching import MicroBatch
 
+        device = self.config.device
         batch, length = input_ids.shape
-        empty = torch.zeros(batch, 0)
-        mb = MicroBatch(input_ids, attention_mask, torch.arange(length).expand(batch, -1).contiguous(),
-                        empty.long(), empty.long(), empty.bool(), empty, empty)
+        empty = torch.zeros(batch, 0, device=device)
+        positions = torch.arange(length, device=device).expand(batch, -1).contiguous()
+        mb = MicroBatch(input_ids.to(device), attention_mask.to(device), positions, empty.long(), empty.long(),
+                        empty.bool(), empty, empty)
         out: dict[int, torch.Tensor] = {}
 
         def keep(index, logits, _mb):
@@ -293,7 +316,7 @@ class MegatronTrainer(TorchTrainer):
             return logits.sum() * 0.0
 
         self._schedule(self.ddp, [mb], keep, forward_only=True)
-        result = out.get(0, torch.zeros(batch, length, self.hf_config["vocab_size"]))
+        result = out.get(0, torch.zeros(batch, length, self.hf_config["vocab_size"], device=device))
         return self._from_last_stage(result.contiguous())
 
     # --------------------------------------------------------- log-probs
@@ -318,21 +341,20 @@ class MegatronTrainer(TorchTrainer):
         raise AssertionError("the megatron trainer runs its idle passes inside the schedule")
 
     # ------------------------------------------------------------ train step
-    def train_step(self, samples, advantages=None, ref_logprobs=None, old_logprobs=None, values=None):
+    def train_step(self, samples, advantages=None, ref_logprobs=None):
         """`TorchTrainer.train_step` on the rows of this rank's model-parallel group (pooled first);
         `last_returns` holds this rank's own rows' returns afterwards."""
-        (pooled, adv, ref, old, vals), counts = self._pooled(samples, advantages, ref_logprobs, old_logprobs,
-                                                            values)
+        (pooled, adv, ref), counts = self._pooled(samples, advantages, ref_logprobs)
         if pooled is None:
             pooled = list(samples)
-        metrics = super().train_step(pooled, adv, ref, old, vals)
+        metrics = super().train_step(pooled, adv, ref)
         if self.last_returns is not None:
             start = sum(counts[: self._mp_rank()])
             self.last_returns = self.last_returns[start: start + len(samples)]
         return metrics
 
     @torch.no_grad()
-    def _prepare(self, samples, ref_rows=None, old_rows=None, value_rows=None, passes: int = 0) -> list[_Micro]:
+    def _prepare(self, samples, ref_rows=None, passes: int = 0) -> list[_Micro]:
         cfg = self.config
         bounds = self._micro_bounds(samples)
         batches = [self._pack(samples[a:b]) for a, b in zip(bounds, bounds[1:])]
@@ -345,17 +367,14 @@ class MegatronTrainer(TorchTrainer):
         idle = [None] * (max(passes, len(batches)) - len(batches)) if self.sharded else []
         old = [None] * len(batches)
         if self._recomputes_logp_old:
-            old = ([given(old_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
-                   if old_rows is not None else self._logprobs_of(self.ddp, batches + idle)[: len(batches)])
+            old = self._logprobs_of(self.ddp, batches + idle)[: len(batches)]
         ref = [None] * len(batches)
         if ref_rows is not None:
             ref = [given(ref_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
         elif self.ref_model is not None:
             ref = self._logprobs_of(self.ref_model, batches + idle)[: len(batches)]
         values = [None] * len(batches)
-        if value_rows is not None:
-            values = [given(value_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
-        elif self.critic is not None:
+        if self.critic is not None:
             values = [self.critic.values(mb) for mb in batches]
         return [_Micro(mb, lo, lr, values=v) for mb, lo, lr, v in zip(batches, old, ref, values)]
 
@@ -366,16 +385,18 @@ class MegatronTrainer(TorchTrainer):
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
-        extremes = torch.full((2,), -math.inf, dtype=torch.float64)
+        # On the trainer's device: the last stage adds each micro-batch's sums there, and the pipeline
+        # broadcast and the data-parallel reductions below send these very tensors (NCCL: CUDA ones).
+        device = self.config.device
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+        extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
         micros = list(mini.micros)
 
         def loss_fn(index, logits, mb):
-            nonlocal extremes
             logp, entropy = response_logprobs(logits, mb, with_entropy=True)
             loss, parts, micro_extremes = self._loss_from(logp, entropy, micros[index], mini)
-            sums.add_(parts)
-            extremes = torch.maximum(extremes, micro_extremes)
+            sums.add_(parts.to(device))
+            torch.maximum(extremes, micro_extremes.to(device), out=extremes)
             return loss
 
         idle = [None] * (mini.passes - len(micros)) if self.sharded else []
@@ -384,12 +405,12 @@ class MegatronTrainer(TorchTrainer):
             self._schedule(self.ddp, [m.mb for m in micros] + idle, loss_fn, forward_only=False)
         finally:
             self.ddp.eval()
-        with compat.on_cpu():
+        with compat.on_device():
             finalize_model_grads([self.ddp])
         self._from_last_stage(sums)
         self._from_last_stage(extremes)
         self._all_reduce(sums)
-        with compat.on_cpu():
+        with compat.on_device():
             _, grad_norm, _ = self.optimizer.step()
         return sums, extremes, float(grad_norm if grad_norm is not None else 0.0)
 
@@ -408,31 +429,19 @@ class MegatronTrainer(TorchTrainer):
 
     def sharded_state_dict(self, *, loading: bool = False) -> dict:
         """What a Megatron-LM checkpoint holds for the model and optimizer (sharded tensors); `loading`: the
-        template to load into (a fresh optimizer gets its Adam state first, as Megatron-LM's loading does)."""
+        template to load into (megatron-core's optimizer gives itself the state to load into, as in
+        Megatron-LM's loading)."""
         from megatron.core import parallel_state as ps
 
         metadata = dict(self.CONTENT_METADATA, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
         model = self.module.sharded_state_dict(metadata=metadata)
-        if loading:
-            self._give_adam_state()
-        with compat.on_cpu():
+        with compat.on_device():
             optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
         return {"model": model, "optimizer": optimizer, "opt_param_scheduler": self.scheduler.state_dict()}
 
-    def _give_adam_state(self) -> None:
-        """A distributed optimizer that has not stepped yet holds no Adam state, and its sharded state
-        dict (the template a checkpoint loads into) needs one: zero moments at step 0, replaced by the load."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                for param in group["params"]:
-                    if not inner.state[param]:
-                        inner.state[param].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                                                  exp_avg_sq=torch.zeros_like(param))
-
     def load_sharded(self, state: dict) -> None:
         self.module.load_state_dict(state["model"])
-        with compat.on_cpu():
+        with compat.on_device():
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
 
