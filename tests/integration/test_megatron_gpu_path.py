@@ -127,3 +127,43 @@ def test_a_checkpoint_holds_what_megatron_lm_transformer_engine_and_megatron_bri
     # every field of the model's TransformerConfig that Megatron-LM's args carry by name is there
     assert {"num_attention_heads", "ffn_hidden_size", "add_bias_linear", "attention_dropout"} <= {
         f for f in TransformerConfig.__dataclass_fields__ if hasattr(args, f)}
+
+
+VERIFY = """
+import json, sys
+from relax_core.checkpoint.hf_verify import VerificationError, verify_export
+try:
+    print(json.dumps(verify_export(sys.argv[1], sys.argv[2])))
+except VerificationError as err:
+    print(json.dumps({"error": str(err)}))
+"""
+
+
+def verify(ckpt: Path, out: Path) -> dict:
+    """`convert-ckpt --verify`'s check, in a process of its own (it builds the Megatron model on one rank)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", VERIFY, str(ckpt), str(out)], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_bf16_checkpoint_is_verified_in_bf16_weight_for_weight(dense, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from relax_core.checkpoint.hf_export import export_hf
+
+    ckpt = tmp_path / "ckpt"
+    ranks("save", tmp_path, 1, model=str(dense), ckpt=str(ckpt), dtype="bfloat16")
+    out = export_hf(ckpt, tmp_path / "hf")
+    report = verify(ckpt, out)
+    # one bf16 model at a time, as the run trained it (not an fp32 copy of each), and its weights exactly
+    assert report["dtype"] == "bfloat16" and report["max_abs_diff"] <= report["atol"], report
+    tensors = load_file(out / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name][0, 0] = torch.nextafter(tensors[name][0, 0], torch.tensor(1.0, dtype=torch.bfloat16))  # one ulp
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    assert verify(ckpt, out) == {"error": f"{out}: {name} differs from the checkpoint's"}
