@@ -11,11 +11,20 @@ scheduler).
 Neither side may use `torch.distributed.init_process_group` for this: the
 trainer process already has a default group (its data-parallel group) and an
 SGLang engine has its tensor-parallel one. So the group is built the way
-SGLang's `init_custom_process_group`, verl and OpenRLHF build it: its own
-`TCPStore` rendezvous (rank 0 hosts it), then torch's internal
-`_new_process_group_helper` with an empty rank list, which makes a group that
-is independent of any default group, registered so that the ordinary
-`torch.distributed.broadcast(tensor, src=0, group=group)` works on it.
+SGLang's `init_custom_process_group` builds it (sglang 0.5.23,
+`sglang/srt/utils/common.py:2859-2927`, called from
+`model_runner_components/weight_updater.py:133` with
+`init_method="tcp://ADDRESS:PORT"`): a `TCPStore` rendezvous (rank 0 hosts
+it), wrapped in `PrefixStore(group_name, store)` (common.py:2905), then torch's
+internal `_new_process_group_helper` with an empty rank list (common.py:2913),
+which makes a group independent of any default group, registered so that the
+ordinary `torch.distributed.broadcast(tensor, src=0, group=group)` works on it
+(common.py:2925). Every rank must use that key layout: gloo and NCCL exchange
+their addresses through store keys under the prefix (`<group_name>/cpu/...`),
+so a rank without it waits for keys the others never write. The test
+`tests/integration/test_sglang_weight_group.py` forms the group with SGLang's
+own function on the engine's side.
+
 The private torch calls are confined to this module. Rank 0's store serves
 on a socket bound before the port is announced (`ports.listening_socket`), so
 no other process can take the port in between.
@@ -75,7 +84,8 @@ def init_weight_update_group(
         # The store's own server would listen on every interface: it gets a socket on the address only.
         master_listen_fd=(listen_sock or listening_socket(master_address, master_port)).detach() if rank == 0 else None,
     )
-    group = _new_group(store, rank, world_size, group_name, backend, timeout)
+    # SGLang's layout (common.py:2905): every key of this group under its name.
+    group = _new_group(dist.PrefixStore(group_name, store), rank, world_size, group_name, backend, timeout)
     _STORES[group] = store
     return group
 
@@ -85,6 +95,21 @@ def destroy_weight_update_group(group: dist.ProcessGroup) -> None:
     when the set of engines changes)."""
     dist.destroy_process_group(group)
     _STORES.pop(group, None)  # the store closes its listening socket when freed
+
+
+def abort_weight_update_group(group: dist.ProcessGroup) -> None:
+    """Give up a group whose collective may be in flight (an engine failed mid-broadcast); it is
+    unregistered here and cannot be used again: form a new one.
+
+    NCCL: `abort()` ends the communicator (`ncclCommAbort`), which returns a pending broadcast with an
+    error. Gloo (torch 2.13): `abort()` does not interrupt a pending operation (measured: a broadcast
+    stays blocked until its peers close their connections), so the caller must not wait for it; the
+    operation ends once the engines destroy their side of the group, or die."""
+    try:
+        c10d._abort_process_group(group)
+    except ValueError:  # already destroyed or aborted
+        pass
+    _STORES.pop(group, None)
 
 
 def _new_group(store, rank, world_size, group_name, backend, timeout) -> dist.ProcessGroup:
