@@ -17,11 +17,23 @@ overlap the broadcasts. Only the last bucket carries the new
 `weight_version`, so an engine reports the new version only once every
 tensor has arrived. When the set of engines changes (elastic rollout),
 `set_engines` tears the group down and builds a new one.
+
+An engine that answers an announce with an error (or whose connection
+fails) never posts its side of the broadcast, so rank 0's collective would
+wait for the group's timeout (NCCL: possibly forever). The sync fails at
+once instead: `WeightSyncError` names the engine, the group is given up
+(`process_group.abort_weight_update_group`) and `init`/`set_engines` form a
+new one (the controller's recovery does, controller/recovery.py). The
+collectives run in daemon threads that nothing waits for once given up: a
+gloo operation cannot be interrupted (torch 2.13) and ends when the engines
+destroy their side of the group, which `close` asks them to. Creating the
+group fails as fast when an engine refuses to join.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -34,11 +46,14 @@ from relax_core.cluster.ports import listening_socket
 from relax_core.rollout.client import EngineClient
 from relax_core.weights.process_group import (
     DEFAULT_TIMEOUT,
+    abort_weight_update_group,
     destroy_weight_update_group,
     init_weight_update_group,
 )
 
 NamedTensor = tuple[str, torch.Tensor]
+REPORT_GRACE_S = 2.0  # after rank 0's own part failed: how long the engines' calls get to say which engine failed
+CLEANUP_TIMEOUT_S = 30.0  # per engine call after a failure: an engine stuck in the collective answers late or never
 
 
 class WeightSyncError(RuntimeError):
@@ -107,25 +122,16 @@ class WeightBroadcaster:
             raise RuntimeError("the weight-update group already exists; call close() or set_engines()")
         sock = listening_socket(self.master_address, self.master_port)
         self.master_port = sock.getsockname()[1]
-        own = asyncio.to_thread(
-            init_weight_update_group,
-            self.master_address,
-            self.master_port,
-            0,
-            self.world_size,
-            self.group_name,
-            self.backend,
-            self.timeout,
-            sock,
-        )
-        joins = [self._join(i, client) for i, client in enumerate(self.clients)]
-        results = await asyncio.gather(own, *joins, return_exceptions=True)
-        if not isinstance(results[0], BaseException):
-            self.group = results[0]
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+        own = _in_thread(init_weight_update_group, self.master_address, self.master_port, 0, self.world_size,
+                         self.group_name, self.backend, self.timeout, sock)
+        joins = {asyncio.ensure_future(self._join(i, client)): client for i, client in enumerate(self.clients)}
+        failure = await _until_failure(own, joins)
+        if own.done() and not own.cancelled() and own.exception() is None:
+            self.group = own.result()
+        if failure is not None:
+            # An engine that refused never joins: rank 0's rendezvous is left to its timeout, in its thread.
             await self.close()
-            raise WeightSyncError(f"creating the weight-update group failed: {errors[0]}") from errors[0]
+            raise WeightSyncError(f"creating the weight-update group failed: {failure[0]}") from failure[1]
 
     def _join(self, index: int, client: EngineClient):
         return client.init_weights_update_group(
@@ -140,12 +146,13 @@ class WeightBroadcaster:
     async def broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
         """Send all tensors (streamed: the iterable may produce them lazily)."""
         if self.group is None:
-            raise RuntimeError("call init() first")
+            raise RuntimeError("no weight-update group: call init() (after a failed sync: set_engines())")
         start = time.perf_counter()
         stats = BroadcastStats(version, 0, 0, 0, 0.0)
-        opened = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
+        results = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
+        opened = [c for c, was in zip(self.clients, results) if was is True]
         try:
-            failed = next(((c, r) for c, r in zip(self.clients, opened) if isinstance(r, BaseException)), None)
+            failed = next(((c, r) for c, r in zip(self.clients, results) if isinstance(r, BaseException)), None)
             if failed is not None:
                 raise WeightSyncError(f"weight update failed: {failed[0].base_url}: {failed[1]!r}") from failed[1]
             for bucket, is_last in _with_last(iter_buckets(named_tensors, self.bucket_bytes)):
@@ -153,11 +160,12 @@ class WeightBroadcaster:
                 stats.num_buckets += 1
                 stats.num_tensors += len(bucket)
                 stats.total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        finally:
-            # Also when an engine failed: the others' sessions end, so they serve again (with what they got,
-            # until the update is sent again once the failed engine is replaced, controller/recovery.py).
-            ended = await asyncio.gather(
-                *(c.end_weight_update() for c, was in zip(self.clients, opened) if was is True), return_exceptions=True)
+        except BaseException:
+            # The others' sessions end, so they serve again (with what they got, until the update is sent again
+            # once the failed engine is replaced, controller/recovery.py); the failure is the error to report.
+            await _bounded(c.end_weight_update() for c in opened)
+            raise
+        ended = await asyncio.gather(*(c.end_weight_update() for c in opened), return_exceptions=True)
         problem = next((r for r in ended if isinstance(r, BaseException)), None)
         if problem is not None:
             raise WeightSyncError(f"ending the weight update failed: {problem!r}") from problem
@@ -178,11 +186,17 @@ class WeightBroadcaster:
             )
             for client in self.clients
         ]
-        sent = asyncio.to_thread(_broadcast_all, tensors, self.group)
-        results = await asyncio.gather(sent, *announce, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise WeightSyncError(f"weight update failed: {errors[0]}") from errors[0]
+        sent = _in_thread(_broadcast_all, tensors, self.group)
+        failure = await _until_failure(sent, dict(zip(announce, self.clients)))
+        if failure is None:
+            return
+        given_up = ""
+        if not sent.done() or sent.cancelled() or sent.exception() is not None:
+            # The collective is in flight (an engine will never post its side) or broken: nothing may wait on it.
+            group, self.group = self.group, None
+            abort_weight_update_group(group)
+            given_up = "; the weight-update group was given up (set_engines() or init() forms a new one)"
+        raise WeightSyncError(f"weight update failed: {failure[0]}{given_up}") from failure[1]
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
@@ -194,10 +208,7 @@ class WeightBroadcaster:
 
     async def close(self) -> None:
         """Destroy the group on the engines (best effort) and here."""
-        if self.clients:
-            await asyncio.gather(
-                *(c.destroy_weights_update_group(self.group_name) for c in self.clients), return_exceptions=True
-            )
+        await _bounded(c.destroy_weights_update_group(self.group_name) for c in self.clients)
         if self.group is not None:
             group, self.group = self.group, None
             await asyncio.to_thread(destroy_weight_update_group, group)
@@ -246,3 +257,64 @@ def _broadcast_all(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> Non
     handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
     for handle in handles:
         handle.wait()
+
+
+def _in_thread(fn, *args) -> asyncio.Future:
+    """`fn(*args)` in a daemon thread, as a future of the running loop. Unlike `asyncio.to_thread`, a
+    thread left blocked in a collective that was given up holds neither the loop's executor nor the
+    interpreter's exit (the executor's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    future.add_done_callback(_retrieved)
+
+    def settle(result, error) -> None:
+        if not future.done():  # cancelled: nobody waits any more
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop has closed: nobody waits
+            pass
+
+    threading.Thread(target=run, name=f"relax-{fn.__name__}", daemon=True).start()
+    return future
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark an error as seen: a part that was given up may fail long after nobody waits for it."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _until_failure(own: asyncio.Future, calls: dict[asyncio.Future, EngineClient]):
+    """Wait for rank 0's part (`own`) and every engine's call, or only until the first failure.
+
+    Returns None when all succeeded, else `(what failed, its exception)`, naming the engines whose calls
+    failed (when `own` failed first, the engines get `REPORT_GRACE_S` to tell: a dead engine's call fails
+    at once). Calls still running are cancelled; `own`, in its thread, is left to end by itself.
+    """
+    pending: set[asyncio.Future] = {own, *calls}
+    failed = False
+    while pending and not failed:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        failed = any(f.exception() is not None for f in done)
+    if not failed:
+        return None
+    if own.done() and own.exception() is not None and pending & calls.keys():
+        await asyncio.wait(pending & calls.keys(), timeout=REPORT_GRACE_S)
+    engines = [(calls[f], f.exception()) for f in calls if f.done() and f.exception() is not None]
+    for f in [own, *calls]:
+        f.cancel()  # no-op when done
+    if engines:
+        return "; ".join(f"engine {client.base_url}: {error}" for client, error in engines), engines[0][1]
+    return f"this trainer's side (rank 0): {own.exception()!r}", own.exception()
+
+
+async def _bounded(calls) -> None:
+    """Await calls to the engines together, each for at most CLEANUP_TIMEOUT_S; errors are ignored."""
+    await asyncio.gather(*(asyncio.wait_for(c, CLEANUP_TIMEOUT_S) for c in calls), return_exceptions=True)

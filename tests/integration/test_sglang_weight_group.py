@@ -10,7 +10,11 @@ stand-in engine of tests/sglang_real.py (a child process); the trainer's side is
 - SGLang's rank joins the trainer's group, and every tensor of every bucket arrives exactly, in
   either of SGLang's receive formats;
 - a CPU engine joins the same group beside SGLang's rank, and serves the trainer's weights: its
-  group code keeps SGLang's layout (the CPU engine cannot import SGLang at run time).
+  group code keeps SGLang's layout (the CPU engine cannot import SGLang at run time);
+- an engine that answers a bucket's announce with an error fails the sync within seconds, naming
+  the engine, instead of holding rank 0 in the broadcast until the group's timeout; afterwards the
+  group forms again and the sync goes through. An engine that refuses to join fails the group's
+  creation as fast.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ from engine_fixtures import HOST, REPO_ROOT, EngineServer, free_port, subprocess
 from transformers import AutoModelForCausalLM
 
 from relax_core.rollout.client import EngineClient, parse_generate_output
-from relax_core.weights.sync import WeightBroadcaster
+from relax_core.weights.process_group import destroy_weight_update_group
+from relax_core.weights.sync import WeightBroadcaster, WeightSyncError
 
 API_KEY = "sglang-group-key"
 GROUP_TIMEOUT = timedelta(seconds=30)  # the trainer's side: a group that cannot form fails the test in 30 s
+FAST_S = 10.0  # "at once": the group's timeout is 30 s here, 10 minutes in a run
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8]
 
@@ -161,3 +167,52 @@ def test_a_cpu_engine_and_sglang_take_the_weights_from_one_group(sglang_engine, 
     assert got["weight_version"] == "8"
     for name, tensor in model.state_dict().items():
         assert torch.equal(got["tensors"][name], tensor), name
+
+
+def test_an_engine_refusing_a_bucket_fails_the_sync_at_once_and_the_group_forms_again(
+        sglang_engine, cpu_engine, tiny_model_dir, tmp_path):  # noqa: F811
+    model = perturbed(tiny_model_dir, seed=3)
+
+    async def main():
+        async with client_of(sglang_engine) as sglang, client_of(cpu_engine.base_url, API_KEY) as cpu:
+            sync = broadcaster([cpu, sglang], "relax_sglang_3")
+            await sync.init()
+            # An engine whose weights are released answers the announce with an error and receives nothing.
+            await cpu.release_memory_occupation(["weights"])
+            start = time.monotonic()
+            with pytest.raises(WeightSyncError) as failed:
+                await asyncio.wait_for(sync.broadcast(some_tensors(3), version=9), timeout=3 * FAST_S)
+            took = time.monotonic() - start
+            await cpu.resume_memory_occupation(["weights"])
+            await sync.set_engines([cpu, sglang])  # what the controller's recovery does
+            try:
+                await sync.broadcast(model.state_dict().items(), version=10)
+            finally:
+                await sync.close()
+            return failed.value, took, await cpu.get_weight_version(), await max_logprob_error(cpu, model)
+
+    error, took, version, logprob_error = asyncio.run(main())
+    assert took < FAST_S, f"the failed sync took {took:.1f}s"
+    assert cpu_engine.base_url in str(error) and "weights are released" in str(error)
+    assert version == "10" and logprob_error < 1e-4
+    got = received(sglang_engine, tmp_path / "received.pt")
+    assert got["weight_version"] == "10"
+    assert all(torch.equal(got["tensors"][name], t) for name, t in model.state_dict().items())
+
+
+def test_an_engine_refusing_to_join_fails_the_groups_creation_at_once(cpu_engine):
+    async def main():
+        async with client_of(cpu_engine.base_url, API_KEY) as cpu:
+            stale = broadcaster([cpu], "relax_sglang_4")
+            await stale.init()
+            # The trainer's side ends (a trainer that restarted), the engine's stays: it refuses a new group so named.
+            destroy_weight_update_group(stale.group)
+            fresh = broadcaster([cpu], "relax_sglang_4", timeout=timedelta(seconds=60))
+            start = time.monotonic()
+            with pytest.raises(WeightSyncError) as failed:
+                await asyncio.wait_for(fresh.init(), timeout=3 * FAST_S)
+            return failed.value, time.monotonic() - start
+
+    error, took = asyncio.run(main())
+    assert took < FAST_S, f"the failed creation took {took:.1f}s"
+    assert cpu_engine.base_url in str(error) and "already exists" in str(error)
