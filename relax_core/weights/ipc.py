@@ -19,16 +19,43 @@ GPU hands it the weights; rank 0 talks to the engines (controller/workers.py
     last bucket: weight_version and flush_cache
     rank 0: POST /end_weight_update
 
-Wire format (SGLang's `MultiprocessingSerializer`): each entry of
+Wire format (SGLang 0.5.23's `MultiprocessingSerializer`,
+sglang/srt/utils/common.py:3060-3099): each entry of
 `serialized_named_tensors` is the base64 text of a `ForkingPickler` pickle of
-`[(hf_name, tensor), ...]`, one entry per TP rank, each pickled on its own (an
-engine rank opens only its entry; CUDA IPC counts references per pickle).
-CUDA tensors name their device by UUID, as SGLang's patched reductions do, so
-the engine finds it whatever its CUDA_VISIBLE_DEVICES. CPU tensors go by
-torch's `file_system` sharing strategy (a named file in /dev/shm): the
-default file-descriptor strategy passes descriptors through a socket that
-only processes sharing multiprocessing's authkey (parent and forked child)
-may use, which a trainer and an engine server are not.
+`[(hf_name, tensor), ...]` (load_format None or "direct"), one entry per TP
+rank, each pickled on its own: an engine rank decodes only its own entry
+(sglang/srt/managers/tp_worker.py:194-201 `deserialize_own_rank`; CUDA IPC
+counts references per pickle). SGLang also takes load_format
+"flattened_bucket" (one flat tensor and its metadata per payload,
+model_runner_components/weight_updater.py:354-357) and custom loaders; Relax
+sends neither, and the CPU engine refuses them (its request schema).
+
+CUDA tensors name their device by UUID, so the engine finds it whatever its
+CUDA_VISIBLE_DEVICES. That is what SGLang's `monkey_patch_torch_reductions`
+does (sglang/srt/utils/patch_torch.py:41-59): it swaps torch's
+`reduce_tensor` for `_reduce_tensor_modified` (:72-77), which puts
+`_device_to_uuid(index)` (:85-86) in argument 6 of `rebuild_cuda_tensor`
+(`storage_device`; `_REDUCE_TENSOR_ARG_DEVICE_INDEX`, :64), and
+`_rebuild_cuda_tensor_modified` (:80-82) maps it back through
+`_device_from_maybe_uuid` (:89-99); the engine applies the patch before it
+decodes (tp_worker.py:198). verl and slime call SGLang's function in the
+trainer before serializing. Relax does the same rewrite in `_reduce_tensor`,
+for its own pickler only: SGLang's patch is process-wide and rewrites
+argument 6 of every tensor's reduction, CPU tensors' too, whose reduction has
+three arguments (IndexError; sgl-project/sglang pull request 34595), which
+would break every CPU tensor pickled in the trainer process. Relax's payload
+names torch's `rebuild_cuda_tensor`, which SGLang's `SafeUnpickler` allows
+(common.py:3329) and looks up when it decodes, after the engine's patch: so
+it gets `_rebuild_cuda_tensor_modified`, which takes the UUID. In a process
+where SGLang's patch is active, `_reduce_tensor` still starts from torch's
+own reduction (`reductions._reduce_tensor_original`, patch_torch.py:47).
+tests/integration/test_sglang_ipc.py decodes Relax's payloads with SGLang's
+own deserializer and SGLang's payloads with the CPU engine's.
+
+CPU tensors go by torch's `file_system` sharing strategy (a named file in
+/dev/shm): the default file-descriptor strategy passes descriptors through a
+socket that only processes sharing multiprocessing's authkey (parent and
+forked child) may use, which a trainer and an engine server are not.
 
 `deserialize_named_tensors` is the engine side (the CPU engine's
 `/update_weights_from_tensor`): an unpickler that rebuilds tensors and
@@ -78,7 +105,10 @@ def _dumps(obj) -> str:
 
 
 def _reduce_tensor(tensor: torch.Tensor):
-    rebuild, args = reductions.reduce_tensor(tensor)
+    """torch's reduction, the device of a CUDA tensor named by UUID (SGLang's `_reduce_tensor_modified`,
+    for CUDA tensors only: see the module docstring)."""
+    reduce = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)  # SGLang's patch: torch's own
+    rebuild, args = reduce(tensor)
     if tensor.is_cuda and isinstance(args[_DEVICE_ARG], int):
         uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
         args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1 :])
