@@ -7,8 +7,8 @@ common entries Megatron-LM reads back (`iteration`, `checkpoint_version`,
 `args`, `opt_param_scheduler`, `rng_state` per TP/PP rank), in
 `dist_checkpointing`'s files (`*.distcp`, `.metadata`, `common.pt`,
 `metadata.json`), plus Relax's `relax` entry (the run's progress: data
-cursor, step, policy version), PPO's critic when there is one (`critic`,
-the torch backend's replicated value model) and `relax_meta.json` (model naming
+cursor, step, policy version), PPO's critic when there is one (`critic`: its
+model's sharded tensors under `critic.`, its optimizer's) and `relax_meta.json` (model naming
 "megatron", where the HF config is). The layout around it is the torch
 backend's: staged in `.tmp_iter_XXXXXXX/`, published by a rename, then the
 tracker `latest_checkpointed_iteration.txt`, then pruning (`dcp.py`).
@@ -40,10 +40,10 @@ from relax_core.train.megatron.model import VOCAB_DIVISOR, rope_theta
 NAMING = "megatron"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current `checkpoint_version`
 PROGRESS_KEY = "relax"
-CRITIC_KEY = "critic"  # PPO's critic (the torch backend's, replicated on every rank)
+CRITIC_KEY = "critic"  # PPO's critic: its sharded model and optimizer, keys under `critic.` (megatron/critic.py)
 # DCP keys of the model section are the names; everything else belongs to these
 _NOT_MODEL = ("optimizer.", "chained_", "rng_state", "opt_param_scheduler", "iteration", "args",
-              "checkpoint_version", PROGRESS_KEY, CRITIC_KEY)
+              "checkpoint_version", PROGRESS_KEY, CRITIC_KEY)  # `critic.`: the critic's model
 
 
 def megatron_args(trainer) -> argparse.Namespace:
@@ -134,8 +134,6 @@ def _state(trainer, iteration: int, progress: dict[str, Any] | None, rng: bool =
     state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=megatron_args(trainer))
     if progress is not None:
         state[PROGRESS_KEY] = progress
-    if getattr(trainer, "critic", None) is not None and not loading:  # replicated: saved once, in common.pt
-        state[CRITIC_KEY] = trainer.critic.state_dict()
     if rng:
         state["rng_state"] = _sharded_rng()
     return state
@@ -159,7 +157,8 @@ def save(ckpt_dir: str | os.PathLike, iteration: int, trainer, progress: dict[st
                                 content_metadata=trainer.CONTENT_METADATA)
     meta = dcp._meta(iteration, hf_dir, NAMING, None)
     meta["megatron"] = {"tp": trainer.par.tp, "pp": trainer.par.pp, "ep": trainer.par.ep, "dp": trainer.world_size,
-                        "distributed_optimizer": trainer.distributed_optimizer}
+                        "distributed_optimizer": trainer.distributed_optimizer,
+                        "critic": getattr(trainer, "critic", None) is not None}
     dcp._on_rank0(lambda: dcp._finish(root, staging, iteration, meta, None, hf_dir, keep_last), None)
     return layout.get_checkpoint_name(root, iteration)
 
@@ -180,6 +179,8 @@ def load(ckpt_dir: str | os.PathLike, trainer, iteration: int | None = None) -> 
     if saved != trainer.distributed_optimizer:
         raise CheckpointError(f"{iter_dir} was saved with train.distributed_optimizer={str(saved).lower()}: the "
                               "optimizer state is stored differently; resume with the same setting")
+    if getattr(trainer, "critic", None) is not None and not (meta.get("megatron") or {}).get("critic"):
+        raise CheckpointError(f"{iter_dir} holds no critic: it was saved by a run without one")
     # The RNG states are one per TP x PP rank: with another TP or PP size there is none for this rank, and
     # (as Megatron-LM does) they are left as seeded.
     grid = meta.get("megatron") or {}
@@ -195,10 +196,6 @@ def load(ckpt_dir: str | os.PathLike, trainer, iteration: int | None = None) -> 
     if same_grid:
         _restore_rng(loaded["rng_state"][0] if isinstance(loaded["rng_state"], list) else loaded["rng_state"])
     common = dist_checkpointing.load_common_state_dict(str(iter_dir))
-    if getattr(trainer, "critic", None) is not None:
-        if CRITIC_KEY not in common:
-            raise CheckpointError(f"{iter_dir} holds no critic: it was saved by a run without one")
-        trainer.critic.load_state_dict(common[CRITIC_KEY])
     return common.get(PROGRESS_KEY, {})
 
 

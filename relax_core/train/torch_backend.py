@@ -55,6 +55,7 @@ from relax_core.train.batching import (
 )
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.critic import Critic, critic_metrics
+from relax_core.train.offload import StorageOffload, module_tensors, optimizer_tensors
 from relax_core.train.optim import build_optimizer, build_scheduler
 from relax_core.train.step_advantages import StepResult, StepRows, pad_rows, step_advantages
 
@@ -120,27 +121,6 @@ def _ratio_extremes(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if ratio.numel() else torch.full((2,), -math.inf, dtype=torch.float64, device=ratio.device)
 
 
-def offload(things: list, device: torch.device) -> None:
-    """Move modules (parameters, gradients, buffers: FSDP's shards too) and optimizers' state to `device`.
-    Gradients are dropped, not moved: a step starts from none."""
-    for thing in things:
-        if isinstance(thing, torch.optim.Optimizer):
-            thing.zero_grad(set_to_none=True)
-            for state in thing.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and (key != "step" or _on_device_step(thing)):
-                        state[key] = value.to(device, non_blocking=True)
-        else:
-            thing.to(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _on_device_step(optimizer: torch.optim.Optimizer) -> bool:
-    """AdamW keeps its `step` count on the parameters' device when fused or capturable, else on the CPU."""
-    return any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
-
-
 def load_causal_lm(path: str | Path, dtype: str, device: str = "cpu", trust_remote_code: bool = False, *,
                    weights: bool = True) -> torch.nn.Module:
     """Load the policy (an HF causal LM; Qwen3-VL, or the Qwen3-Omni thinker: `models/multimodal.py`) in eval
@@ -197,6 +177,7 @@ class TorchTrainer:
             self.teacher.requires_grad_(False)
         self.critic = Critic.from_config(model_path, cfg, self.group) if cfg.critic_lr is not None else None
         self.last_returns: list[list[float]] | None = None  # this rank's GAE returns of the last step
+        self._offloaded: StorageOffload | None = None  # what `offload` handed back (colocate on GPU nodes)
         self.pad_id = pad_token_id(self.model)
         self.optimizer = build_optimizer(
             self.model.named_parameters(),
@@ -655,30 +636,32 @@ class TorchTrainer:
 
     # ------------------------------------------------- GPU memory (colocate)
     def offload(self, parts: Sequence[str] = ("optimizer", "model")) -> None:
-        """Hand the GPU back to engines that share it (colocate on GPU nodes): to host memory go, with
-        "optimizer", the gradients, the optimizer's and the critic's state, the reference and the teacher
-        (what a weight hand-over does not read), with "model" the policy's parameters; then the allocator's
-        cache is returned to the driver. `reload` brings everything back before the next step."""
-        offload(self._memory_parts(parts), torch.device("cpu"))
+        """Hand the GPU back to engines that share it (colocate on GPU nodes, train/offload.py): with
+        "optimizer" the gradients go, the optimizer's and the critic's state and the reference and teacher
+        models to host memory (what a weight hand-over does not read), with "model" the policy's parameters;
+        then the allocator's cache is returned to the driver. `reload` brings everything back."""
+        unknown = set(parts) - {"optimizer", "model"}
+        if unknown:
+            raise ValueError(f"unknown parts {sorted(unknown)}: offload 'optimizer' and/or 'model'")
+        if self._offloaded is None:
+            self._offloaded = StorageOffload(self.device)
+        if "optimizer" in parts:
+            self.optimizer.zero_grad(set_to_none=True)
+            tensors = optimizer_tensors(self.optimizer) + module_tensors(self.ref_model) + \
+                module_tensors(self.teacher)
+            if self.critic is not None:
+                self.critic.optimizer.zero_grad(set_to_none=True)
+                tensors += optimizer_tensors(self.critic.optimizer) + module_tensors(self.critic.model)
+            self._offloaded.offload(tensors)
+        if "model" in parts:
+            self._offloaded.offload(module_tensors(self.model))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
-        """Everything `offload` moved, back on the trainer's device."""
-        offload(self._memory_parts(("optimizer", "model")), self.device)
-
-    def _memory_parts(self, parts: Sequence[str]) -> list:
-        unknown = set(parts) - {"optimizer", "model"}
-        if unknown:
-            raise ValueError(f"unknown parts {sorted(unknown)}: offload 'optimizer' and/or 'model'")
-        out: list = []
-        if "optimizer" in parts:
-            out += [self.optimizer, self.ref_model, self.teacher]
-            if self.critic is not None:
-                out += [self.critic.optimizer, self.critic.model]
-        if "model" in parts:
-            out.append(self.model)
-        return [x for x in out if x is not None]
+        """Everything `offload` handed back, on the trainer's device again."""
+        if self._offloaded is not None:
+            self._offloaded.reload()
 
     # --------------------------------------------------- sync and checkpoint
     def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -50,6 +50,8 @@ def trainer_config(args: dict):
     from relax_core.train.config import TorchTrainerConfig
 
     extra = {"critic_lr": 1e-3, "critic_value_clip": 0.2} if args.get("critic") else {}
+    if args.get("kl"):  # a KL loss against the reference model
+        extra |= {"use_kl_loss": True, "kl_coef": args["kl"]}
     return TorchTrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=3, num_threads=1,
                               algorithm=args.get("algorithm", "grpo"), num_mini_batches=args.get("minis", 1),
                               recompute_activations=bool(args.get("recompute")), dtype=args.get("dtype", "float32"),
@@ -255,8 +257,44 @@ def run_ranks(role: str, args: dict, port: int, env: dict, timeout_s: float = 60
     return code, log.read_text()
 
 
+def role_offload(rank: int, world: int, args: dict) -> None:
+    """Colocate's hand-back on the Megatron backend (bf16: megatron-core's flat buffers and fp32 master weights;
+    PPO's critic; a reference for the KL): what each part holds after each offload, and the steps of a trainer
+    that handed everything back between them against those of one that never did."""
+    import torch
+
+    from relax_core.train.offload import megatron_grad_buffers, megatron_optimizer_tensors, module_tensors
+
+    def held(trainer) -> dict:
+        def nbytes(tensors):
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+        return {"policy": nbytes(module_tensors(trainer.module)), "grads": nbytes(megatron_grad_buffers(trainer.ddp)),
+                "optimizer": nbytes(megatron_optimizer_tensors(trainer.optimizer)),
+                "reference": nbytes(module_tensors(trainer.ref_model)),
+                "critic": nbytes(module_tensors(trainer.critic.module) + megatron_grad_buffers(trainer.critic.ddp)
+                                 + megatron_optimizer_tensors(trainer.critic.optimizer))}
+
+    kept, moved = build(args), build(args)
+    expected = [kept.train_step(my_shard(samples(seed=s), rank, world)) for s in (0, 1)]
+    got = [moved.train_step(my_shard(samples(seed=0), rank, world))]
+    before = held(moved)
+    moved.offload(["optimizer"])
+    after_optimizer = held(moved)
+    moved.offload(["model"])
+    after_model = held(moved)
+    moved.reload()
+    got.append(moved.train_step(my_shard(samples(seed=1), rank, world)))
+    weights = {n: t.clone() for n, t in moved.named_parameters_for_sync()}
+    reference = dict(kept.named_parameters_for_sync())
+    if rank == 0:
+        torch.save({"before": before, "after_optimizer": after_optimizer, "after_model": after_model,
+                    "got": got, "expected": expected,
+                    "weights_equal": all(torch.equal(weights[n], reference[n]) for n in reference)}, args["out"])
+
+
 ROLES = {"logits": role_logits, "step": role_step, "placed": role_placed, "contract": role_contract,
-         "save": role_save, "resume": role_resume, "sync": role_sync}
+         "save": role_save, "resume": role_resume, "sync": role_sync, "offload": role_offload}
 
 
 def _rank(rank: int, world: int, port: int, role: str, args: dict) -> None:

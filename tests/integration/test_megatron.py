@@ -112,30 +112,53 @@ def test_one_step_gives_the_torch_backends_loss_and_weights(request, tmp_path, k
 
 
 def test_ppo_trains_its_critic_beside_the_megatron_policy(dense, tmp_path):
+    """The critic is a megatron-core model split over TP 2 like the policy (its value head on every TP rank): two
+    steps (the second's values come from the critic the first trained) give the torch backend's numbers."""
     mine = torch.load(ranks("step", tmp_path, 2, model=str(dense), parallel={"tp": 2}, critic=True,
-                            algorithm="ppo"))
-    ref = torch_step(dense, critic=True, algorithm="ppo")
-    for key in ("loss", "value_loss", "grad_norm"):
-        assert mine["metrics"][0][key] == pytest.approx(ref["metrics"][0][key], rel=1e-5), key
+                            algorithm="ppo", steps=2))
+    ref = torch_step(dense, critic=True, algorithm="ppo", steps=2)
+    for step in range(2):
+        for key in ("loss", "value_loss", "vf_clipfrac", "grad_norm"):
+            assert mine["metrics"][step][key] == pytest.approx(ref["metrics"][step][key], rel=1e-5), (step, key)
+    assert ref["metrics"][1]["value_loss"] != ref["metrics"][0]["value_loss"]
+
+
+def test_a_megatron_trainer_that_hands_its_memory_back_trains_on_unchanged(dense, tmp_path):
+    """Colocate on GPUs: the trainer empties every storage of its state between steps (megatron-core's
+    buffers, the optimizers' fp32 master weights and moments, the critic and the reference: train/offload.py,
+    exercised on the CPU, the trainer's device here); after reloading it trains on exactly as a trainer that
+    never let go. "optimizer" first keeps only the policy (what the weight hand-over reads)."""
+    out = torch.load(ranks("offload", tmp_path, 2, model=str(dense), parallel={"tp": 2}, critic=True,
+                           algorithm="ppo", dtype="bfloat16", kl=0.01))
+    assert all(out["before"].values()), out["before"]
+    assert {k for k, v in out["after_optimizer"].items() if v} == {"policy"}, out["after_optimizer"]
+    assert not any(out["after_model"].values()), out["after_model"]
+    for got, want in zip(out["got"], out["expected"]):
+        for key in ("loss", "value_loss", "grad_norm", "kl_loss"):
+            assert got[key] == want[key], key
+    assert out["weights_equal"]
 
 
 # ------------------------------------------------------------- checkpoints
-@pytest.mark.parametrize(("saved_as", "resumed_as"), [
-    (({"tp": 2}, 2), [({"tp": 2}, 2), ({}, 2)]),  # the same layout; TP=2 -> DP=2
-    (({"distopt": True}, 2), [({"distopt": True}, 1)]),  # sharded Adam over DP=2 -> one rank
-], ids=["optimizer", "distributed-optimizer"])
-def test_a_checkpoint_resumes_with_another_layout_and_goes_on_as_before(dense, tmp_path, saved_as, resumed_as):
+@pytest.mark.parametrize(("saved_as", "resumed_as", "extra"), [
+    (({"tp": 2}, 2), [({"tp": 2}, 2), ({}, 2)], {}),  # the same layout; TP=2 -> DP=2
+    (({"distopt": True}, 2), [({"distopt": True}, 1)], {}),  # sharded Adam over DP=2 -> one rank
+    (({"tp": 2}, 2), [({"tp": 2}, 2), ({}, 2)], {"critic": True, "algorithm": "ppo"}),  # PPO's critic too
+], ids=["optimizer", "distributed-optimizer", "critic"])
+def test_a_checkpoint_resumes_with_another_layout_and_goes_on_as_before(dense, tmp_path, saved_as, resumed_as,
+                                                                         extra):
     ckpt = tmp_path / "ckpt"
     layout, world = saved_as
-    saved = torch.load(ranks("save", tmp_path, world, model=str(dense), parallel=layout, ckpt=str(ckpt)))
+    saved = torch.load(ranks("save", tmp_path, world, model=str(dense), parallel=layout, ckpt=str(ckpt), **extra))
     names = {p.name for p in (ckpt / "iter_0000002").iterdir()}
     assert {"common.pt", "metadata.json", ".metadata"} <= names and any(n.endswith(".distcp") for n in names)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     for new_layout, new_world in resumed_as:
         resumed = torch.load(ranks("resume", tmp_path, new_world, model=str(dense), parallel=new_layout,
-                                   ckpt=str(ckpt)))
+                                   ckpt=str(ckpt), **extra))
         assert resumed["step"] == 3 and resumed["progress"] == {"step": 2, "data": {"cursor": 16}}
-        assert resumed["then"]["loss"] == pytest.approx(saved["then"]["loss"], rel=1e-6)
+        for key in ("loss", "value_loss") if extra else ("loss",):  # the critic came back with the policy
+            assert resumed["then"][key] == pytest.approx(saved["then"][key], rel=1e-6, abs=1e-7), key
         same = (new_layout, new_world) == saved_as  # the same layout: bit for bit
         for name, tensor in saved["weights"].items():
             diff = (resumed["weights"][name] - tensor).abs().max()

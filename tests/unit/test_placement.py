@@ -93,54 +93,56 @@ def test_the_simulated_device_refuses_what_cuda_refuses():
         assert on_device.cpu().device.type == "cpu" and on_device.tolist() == [1.0, 1.0]
 
 
-def _on_device(trainer) -> list[str]:
-    """What of the trainer's state is on the simulated device: parameters, gradients, buffers, optimizer state."""
-    from sim_device import Sim
+def held(trainer) -> dict[str, int]:
+    """Bytes of each part of the trainer's state whose storage is not empty (what it holds on its device)."""
+    from relax_core.train.offload import module_tensors, optimizer_tensors
 
-    found = []
-    modules = {"policy": trainer.model, "reference": trainer.ref_model,
-               "critic": trainer.critic.model if trainer.critic else None}
-    for what, module in modules.items():
-        for name, t in [*module.named_parameters(), *module.named_buffers()] if module is not None else []:
-            if isinstance(t, Sim) or isinstance(t.grad, Sim):
-                found.append(f"{what} {name}")
-    optimizers = {"policy": trainer.optimizer, "critic": trainer.critic.optimizer if trainer.critic else None}
-    for what, opt in optimizers.items():
-        for state in opt.state.values() if opt is not None else []:
-            found += [f"{what} optimizer {k}" for k, v in state.items() if isinstance(v, Sim)]
-    return found
+    def nbytes(tensors) -> int:
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    parts = {"policy": module_tensors(trainer.model), "reference": module_tensors(trainer.ref_model),
+             "optimizer": optimizer_tensors(trainer.optimizer)}
+    if trainer.critic is not None:
+        parts |= {"critic": module_tensors(trainer.critic.model),
+                  "critic optimizer": optimizer_tensors(trainer.critic.optimizer)}
+    return {name: nbytes(tensors) for name, tensors in parts.items()}
 
 
-@pytest.fixture
-def swapping_conversion():
-    """`module.to()` keeps each Parameter object (the optimizer holds them) by swapping its contents: what it
-    does for CUDA tensors (`param.data = ...`) and FSDP's DTensors (`swap_tensors`), but not by itself for
-    the simulated device's wrapper tensors."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(before)
+@pytest.fixture(scope="module")
+def bf16_dir(model_dirs, tmp_path_factory):
+    """The policy saved in bfloat16: loaded as float32 master weights its tensors are the allocator's, as on a
+    GPU (a float32 file's would be mapped from the file on the CPU, and such storages cannot be resized)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("bf16") / "policy"
+    shutil.copytree(model_dirs[0], out)
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(out / "model.safetensors").items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
-def test_a_trainer_that_hands_the_device_back_keeps_nothing_there_and_trains_on_unchanged(model_dirs,
-                                                                                          swapping_conversion):
-    """Colocate on GPUs: between steps the trainer offloads everything (the engines resume into the memory it
-    freed); after `reload` its next steps are exactly those of a trainer that never let go."""
+def test_a_trainer_that_hands_the_device_back_keeps_nothing_there_and_trains_on_unchanged(bf16_dir, model_dirs):
+    """Colocate on GPUs: between steps the trainer empties every storage of its state (the engines resume into
+    the memory it freed; train/offload.py, exercised here on the CPU, the trainer's device); after `reload`
+    its next steps are exactly those of a trainer that never let go."""
     recipe = load_recipe("recipes/quickstart.yaml", overrides("ppo", model_dirs[1]) + ["algorithm.kl.coef=0.01",
                                                                                        "algorithm.kl.placement=loss"])
-    config = dataclasses.replace(trainer_config(recipe), device=DEVICE.type)
-    with SimDevice():
-        kept, moved = TorchTrainer(model_dirs[0], config), TorchTrainer(model_dirs[0], config)
-        expected = [kept.train_step(batch()), kept.train_step(batch())]
-        got = [moved.train_step(batch())]
-        assert _on_device(moved)  # a training trainer holds its state on the device
-        moved.offload(["optimizer"])
-        left = _on_device(moved)
-        assert left and all(name.startswith("policy") and "optimizer" not in name for name in left), left
-        moved.offload(["model"])
-        assert _on_device(moved) == []
-        moved.reload()
-        got.append(moved.train_step(batch()))
+    config = trainer_config(recipe)
+    kept, moved = TorchTrainer(bf16_dir, config), TorchTrainer(bf16_dir, config)
+    expected = [kept.train_step(batch()), kept.train_step(batch())]
+    got = [moved.train_step(batch())]
+    before = held(moved)
+    assert all(before.values()), before  # a training trainer holds all of it
+    moved.offload(["optimizer"])
+    assert {k for k, v in held(moved).items() if v} == {"policy"}  # what the weight hand-over reads
+    moved.offload(["model"])
+    assert held(moved) == dict.fromkeys(before, 0)
+    assert all(p.grad is None for p in moved.model.parameters())
+    moved.reload()
+    assert held(moved) == before
+    got.append(moved.train_step(batch()))
     for a, b in zip(got, expected):
         for key in ("loss", "grad_norm", "value_loss", "kl_loss"):
             assert a[key] == b[key], key

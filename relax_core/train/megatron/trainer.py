@@ -144,16 +144,16 @@ class MegatronTrainer(TorchTrainer):
             self.ref_model = self._in_compute_dtype(self._load(Path(ref_model_path or model_path), cfg.dtype, False))
             self.ref_model.requires_grad_(False)
         self.teacher = None
-        # PPO's critic: the torch backend's (an HF model with a value head, replicated on every rank, its
-        # gradients summed over the data-parallel group), trained on the same pooled mini-batches.
+        self.last_returns = None
+        self._offloaded = None
+        self.pad_id = self.hf_config.get("pad_token_id") or 0
+        self.optimizer = self._build_optimizer(self.ddp, cfg.lr)
+        # PPO's critic: the policy's model with a value head, sharded and trained as the policy (critic.py).
         self.critic = None
         if cfg.critic_lr is not None:
-            from relax_core.train.critic import Critic
+            from relax_core.train.megatron.critic import MegatronCritic
 
-            self.critic = Critic.from_config(model_path, cfg)
-        self.last_returns = None
-        self.pad_id = self.hf_config.get("pad_token_id") or 0
-        self.optimizer = self._build_optimizer(distributed_optimizer)
+            self.critic = MegatronCritic.build(self, Path(cfg.critic_path or model_path))
         self.scheduler = LambdaSchedule(self.optimizer, cfg)
         self._init_algorithm()
         self._hf = hf_weights
@@ -191,18 +191,19 @@ class MegatronTrainer(TorchTrainer):
         with compat.on_device():
             return DistributedDataParallel(module.config, ddp_config, module)
 
-    def _build_optimizer(self, distributed_optimizer: bool):
+    def _build_optimizer(self, ddp, lr: float):
+        """megatron-core's optimizer over `ddp`'s parameters (the policy's, or the critic's at its own lr)."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         cfg = self.config
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.lr * cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
+            optimizer="adam", lr=lr, min_lr=lr * cfg.min_lr_ratio, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], adam_eps=cfg.adam_eps,
             clip_grad=cfg.grad_clip if cfg.grad_clip > 0 else 0.0, bf16=cfg.dtype == "bfloat16",
-            params_dtype=getattr(torch, cfg.dtype), use_distributed_optimizer=distributed_optimizer,
+            params_dtype=getattr(torch, cfg.dtype), use_distributed_optimizer=self.distributed_optimizer,
         )
         with compat.on_device():
-            return get_megatron_optimizer(opt_config, [self.ddp])
+            return get_megatron_optimizer(opt_config, [ddp])
 
     # ---------------------------------------------------------- groups
     @property
@@ -238,17 +239,22 @@ class MegatronTrainer(TorchTrainer):
         return (self._mp_gather(samples), *(self._mp_gather(c) if c is not None else None for c in columns)), counts
 
     # ------------------------------------------------------------ schedule
-    def _schedule(self, model, batches: list[MicroBatch | None], loss_fn, *, forward_only: bool) -> None:
-        """Run `batches` through megatron-core's forward/backward schedule; `loss_fn(i, logits)` (last
-        stage) returns the loss of batch i (None: an idle pass, loss 0)."""
+    def _schedule(self, model, batches: list[MicroBatch | None], loss_fn, *, forward_only: bool,
+                  head: str = "lm") -> None:
+        """Run `batches` through megatron-core's forward/backward schedule; `loss_fn(i, output, mb)` (last
+        stage) returns the loss of batch i (None: an idle pass, loss 0). `head` "lm": the output is the
+        logits, gathered over the vocabulary's TP slices; "value": the critic's `[B, L, 1]` values."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         idle = self._idle_batch()
         items = [(i, b if b is not None else idle) for i, b in enumerate(batches)]
         vocab = self.hf_config["vocab_size"]
         # bf16 logits to the loss (`response_logprobs` takes fp32 of the response rows only), not a
-        # [tokens x vocabulary] fp32 copy made by Float16Module.
-        half = {"fp32_output": False} if self.module.config.bf16 else {}
+        # [tokens x vocabulary] fp32 copy made by Float16Module; the critic's one value per token in fp32.
+        half = {"fp32_output": False} if self.module.config.bf16 and head == "lm" else {}
+
+        def full(output):
+            return full_logits(output, vocab) if head == "lm" else output
 
         def forward_step(data_iterator, chunk):
             index, mb = next(data_iterator)
@@ -256,8 +262,7 @@ class MegatronTrainer(TorchTrainer):
             output = chunk(mb.input_ids, mb.position_ids, mask, **half)
 
             def loss_func(logits):
-                loss = loss_fn(index, full_logits(logits, vocab), mb) if batches[index] is not None \
-                    else logits.sum() * 0.0
+                loss = loss_fn(index, full(logits), mb) if batches[index] is not None else logits.sum() * 0.0
                 return loss, torch.ones((), dtype=torch.int), {}
             return output, loss_func
 
@@ -375,8 +380,11 @@ class MegatronTrainer(TorchTrainer):
             ref = self._logprobs_of(self.ref_model, batches + idle)[: len(batches)]
         values = [None] * len(batches)
         if self.critic is not None:
-            values = [self.critic.values(mb) for mb in batches]
+            values = self.critic.values_of(self, batches + idle)
         return [_Micro(mb, lo, lr, values=v) for mb, lo, lr, v in zip(batches, old, ref, values)]
+
+    def _critic_update(self, mini: _Mini) -> torch.Tensor:
+        return self.critic.update(self, list(mini.micros), mini)
 
     def _update(self, mini: _Mini) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step: the schedule's forward/backward over the mini-batch, the gradients finished
@@ -414,6 +422,33 @@ class MegatronTrainer(TorchTrainer):
             _, grad_norm, _ = self.optimizer.step()
         return sums, extremes, float(grad_norm if grad_norm is not None else 0.0)
 
+    # ------------------------------------------------- GPU memory (colocate)
+    def offload(self, parts=("optimizer", "model")) -> None:
+        """`TorchTrainer.offload` for megatron-core's state: "optimizer" takes the gradient buffers (emptied,
+        not copied: the next step zeroes them), the optimizers' master weights and Adam state, the reference
+        and the critic; "model" the policy's parameters (in megatron-core's flat buffers, emptied whole)."""
+        from relax_core.train.offload import StorageOffload, megatron_grad_buffers, megatron_optimizer_tensors
+        from relax_core.train.offload import module_tensors as tensors_of
+
+        unknown = set(parts) - {"optimizer", "model"}
+        if unknown:
+            raise ValueError(f"unknown parts {sorted(unknown)}: offload 'optimizer' and/or 'model'")
+        if self._offloaded is None:
+            self._offloaded = StorageOffload(self.config.device)
+        if "optimizer" in parts:
+            policy = {t.untyped_storage().data_ptr() for t in tensors_of(self.module)}
+            grads, state = megatron_grad_buffers(self.ddp), megatron_optimizer_tensors(self.optimizer)
+            state += tensors_of(self.ref_model)
+            if self.critic is not None:
+                grads += megatron_grad_buffers(self.critic.ddp)
+                state += megatron_optimizer_tensors(self.critic.optimizer) + tensors_of(self.critic.module)
+            self._offloaded.offload(grads, keep=False)
+            self._offloaded.offload([t for t in state if t.untyped_storage().data_ptr() not in policy])
+        if "model" in parts:
+            self._offloaded.offload(tensors_of(self.module))
+        if torch.device(self.config.device).type == "cuda":
+            torch.cuda.empty_cache()
+
     # --------------------------------------------------- sync and checkpoint
     def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, whole tensor in the compute dtype) of every weight, gathered from the TP/EP/PP
@@ -437,13 +472,18 @@ class MegatronTrainer(TorchTrainer):
         model = self.module.sharded_state_dict(metadata=metadata)
         with compat.on_device():
             optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=metadata)
-        return {"model": model, "optimizer": optimizer, "opt_param_scheduler": self.scheduler.state_dict()}
+        state = {"model": model, "optimizer": optimizer, "opt_param_scheduler": self.scheduler.state_dict()}
+        if self.critic is not None:
+            state["critic"] = self.critic.sharded_state_dict(metadata, loading=loading)
+        return state
 
     def load_sharded(self, state: dict) -> None:
         self.module.load_state_dict(state["model"])
         with compat.on_device():
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if self.critic is not None:
+            self.critic.load_sharded(state["critic"])
 
     def state_dict(self) -> dict:
         raise NotImplementedError("the megatron backend saves Megatron distributed checkpoints: "
