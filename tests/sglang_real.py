@@ -127,6 +127,51 @@ def _not_here(*args, **kwargs):
     raise RuntimeError("IPython is a stand-in in this process (tests/sglang_real.py)")
 
 
+# ------------------------------------------------------------------ where SGLang is not installed
+def init_custom_process_group_pinned(*, backend: str, init_method: str, world_size: int, rank: int,
+                                     group_name: str, timeout=None):
+    """SGLang 0.5.23's `init_custom_process_group` (sglang/srt/utils/common.py:2859-2927), step by step, for a
+    machine where SGLang cannot be imported (the GPU test machine, tests/gpu/check.py): the rendezvous of
+    `init_method` (:2899-2901), its store wrapped in `PrefixStore(group_name, store)` (:2905), a group of
+    its own over it (`_new_process_group_helper` with no ranks, :2913-2923) whose ranks are the group's own
+    (:2925). tests/integration/test_sglang_weight_group.py holds it to SGLang's function: both join one
+    group, which forms only if they key the rendezvous alike."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        default_pg_timeout,
+        rendezvous,
+    )
+
+    timeout = timeout or default_pg_timeout
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                         backend_options=None, timeout=timeout, device_id=None)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def _join_and_receive(which: str, init_method: str, world_size: int, rank: int, shapes: list, out: str) -> None:
+    """A child process: rank `rank` of a gloo group made by SGLang's function or the pinned copy (`which`),
+    receiving one float32 broadcast per shape from rank 0; their sums go to `out` (JSON)."""
+    import torch
+    import torch.distributed as dist
+
+    make = load().init_custom_process_group if which == "sglang" else init_custom_process_group_pinned
+    group = make(backend="gloo", init_method=init_method, world_size=world_size, rank=rank,
+                 group_name="weight_update_group")
+    sums = []
+    for shape in shapes:
+        t = torch.empty(shape)
+        dist.broadcast(t, src=0, group=group)
+        sums.append(float(t.sum()))
+    Path(out).write_text(json.dumps(sums))
+
+
 # ------------------------------------------------------------------ the engine stand-in
 class _Engine:
     """What one SGLang engine (TP 1, on CPU) holds for the weight sync."""
@@ -258,5 +303,15 @@ if __name__ == "__main__":
     engine_args = sub.add_parser("engine", help="serve the engine stand-in")
     engine_args.add_argument("--host", default="127.0.0.1")
     engine_args.add_argument("--port", type=int, required=True)
+    join = sub.add_parser("join", help="join a group as one rank, receive broadcasts (tests of the pinned copy)")
+    join.add_argument("--which", choices=("sglang", "pinned"), required=True)
+    join.add_argument("--init-method", required=True)
+    join.add_argument("--world-size", type=int, required=True)
+    join.add_argument("--rank", type=int, required=True)
+    join.add_argument("--shapes", required=True, help="JSON list of shapes")
+    join.add_argument("--out", required=True)
     cli = parser.parse_args()
-    serve(cli.host, cli.port)
+    if cli.role == "engine":
+        serve(cli.host, cli.port)
+    else:
+        _join_and_receive(cli.which, cli.init_method, cli.world_size, cli.rank, json.loads(cli.shapes), cli.out)

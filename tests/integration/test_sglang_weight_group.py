@@ -216,3 +216,34 @@ def test_an_engine_refusing_to_join_fails_the_groups_creation_at_once(cpu_engine
     error, took = asyncio.run(main())
     assert took < FAST_S, f"the failed creation took {took:.1f}s"
     assert cpu_engine.base_url in str(error) and "already exists" in str(error)
+
+
+def test_the_pinned_copy_of_sglangs_group_function_joins_the_same_group_as_sglangs_own(tmp_path):
+    """Where SGLang cannot be imported (the GPU test machine) tests/gpu/check.py makes the engine's side with
+    tests/sglang_real.py's pinned copy of `init_custom_process_group`. Here the trainer's rank 0, SGLang's own
+    function (rank 1) and the copy (rank 2) form one group: it forms only if all three key the rendezvous
+    alike, and both engine ranks receive every tensor."""
+    import json
+
+    from relax_core.cluster.ports import listening_socket
+    from relax_core.weights.process_group import init_weight_update_group
+
+    sock = listening_socket(HOST, 0)
+    port = sock.getsockname()[1]
+    tensors = [torch.arange(12.0).reshape(3, 4), torch.full((5,), 2.5)]
+    shapes = json.dumps([list(t.shape) for t in tensors])
+    procs = {which: subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "tests" / "sglang_real.py"), "join", "--which", which, "--init-method",
+         f"tcp://{HOST}:{port}", "--world-size", "3", "--rank", str(rank), "--shapes", shapes,
+         "--out", str(tmp_path / which)], env=subprocess_env()) for rank, which in ((1, "sglang"), (2, "pinned"))}
+    try:
+        group = init_weight_update_group(HOST, port, 0, 3, "weight_update_group", "gloo", GROUP_TIMEOUT, sock)
+        for t in tensors:
+            torch.distributed.broadcast(t, src=0, group=group)
+        for which, proc in procs.items():
+            assert proc.wait(timeout=120) == 0, which
+            assert json.loads((tmp_path / which).read_text()) == [float(t.sum()) for t in tensors], which
+        destroy_weight_update_group(group)
+    finally:
+        for proc in procs.values():
+            proc.kill()
