@@ -30,16 +30,16 @@ def local_ray(tmp_path_factory):
     Ray reads its auth token once per process, so a second cluster with a
     token of its own could not be joined from here; tests share this one.
     CPUs: 2 for TransferQueue's controller and storage unit; the project's
-    actors hold none, only the train, rollout and judge slots.
+    actors hold none, only the train, rollout, judge and reference slots.
     """
     from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
-    from relax_core.cluster.node import JUDGE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from relax_core.cluster.node import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
     from relax_core.launch.rundir import new_run_dir
 
     saved_env = dict(os.environ)
     run = new_run_dir(tmp_path_factory.mktemp("ray"), "ray").create()
     temp_dir = start_local_ray(run, num_cpus=4, resources={TRAIN_RESOURCE: 2, ROLLOUT_RESOURCE: 4,
-                                                              JUDGE_RESOURCE: 3})
+                                                              JUDGE_RESOURCE: 3, REFERENCE_RESOURCE: 1})
     yield run
     stop_local_ray()
     os.environ.clear()

@@ -71,6 +71,8 @@ class ServiceSet:
             recipe, model_dir, api_key, trainer0, cpu_sets.get("rollout"))
         services = cls(rollout)
         if reference_service(recipe):
+            check_capacity(ray, REFERENCE_RESOURCE, reference_workers(recipe), recipe.cluster.reference.gpus_per_node,
+                           "cluster.reference")
             own, cpus = recipe.cluster.reference, cpu_sets.get("reference")
             threads = own.cpus_per_node // (own.gpus_per_node or 1) if cpus is None else len(cpus)
             placed = on_group(REFERENCE_RESOURCE, gpus=1 if own.gpus_per_node else 0)
@@ -105,6 +107,18 @@ class ServiceSet:
         from relax_core.controller.workers import end_actors
 
         end_actors(ray, [self.rollout, *(d.handle for d in self.downstream)], "services", method="close", timeout_s=60)
+
+
+def check_capacity(ray, resource: str, workers: int, gpus_per_node: int, group: str) -> None:
+    """Refuse at once a service whose workers the Ray cluster has no room for (a node group that did not join,
+    or too few GPUs): placed with Ray, they would wait for a slot forever, and the run with them."""
+    have = ray.cluster_resources()
+    slots, gpus = int(have.get(resource, 0)), int(have.get("GPU", 0))
+    if slots < workers or (gpus_per_node and gpus < workers):
+        raise RuntimeError(f"{group}: {workers} worker(s) need {workers} '{resource}' slot(s)"
+                           f"{f' and {workers} GPU(s)' if gpus_per_node else ''}, but the Ray cluster has {slots} "
+                           f"slot(s) and {gpus} GPU(s): its nodes did not join, or have fewer GPUs than the "
+                           "recipe says")
 
 
 def node_name(ray, node_id: str) -> str:

@@ -182,32 +182,43 @@ def check_step(checks: Checks, name: str, metrics: dict, algorithm: str) -> None
 
 # ------------------------------------------------------------------ fsdp
 def part_fsdp(ctx: dict) -> dict:
+    from relax_core.train.torch_backend import TorchTrainer
+
+    checks = Checks()
+
+    def build(algorithm: str):
+        config = recipe_config(FSDP_RECIPE, algorithm, ctx["device"], ctx["fsdp_overrides"])
+        checks.true("fsdp: the recipe shards and recomputes", config.fsdp and config.recompute_activations)
+        return TorchTrainer(ctx["model_dir"], config)
+
+    result, trainer, batch = steps_of("fsdp", build, ctx, checks)
+    result["handback"] = handback(trainer, batch, ctx["device"], checks)  # PPO's: policy, critic, optimizers
+    result["failed"] = checks.failed
+    return result
+
+
+def steps_of(backend: str, build, ctx: dict, checks: Checks):
+    """One train step of each algorithm, each trainer built (`build(algorithm)`) after the last one is gone:
+    the figures, the last trainer (PPO's) and the batch."""
     import gc
 
     import torch
 
-    from relax_core.train.torch_backend import TorchTrainer
-
-    device, checks, result = ctx["device"], Checks(), {}
+    device, result, trainer = ctx["device"], {}, None
     batch = samples(ctx["lengths"], ctx["shape"]["vocab_size"])
-    trainer = None
     for algorithm in ALGORITHMS:
         del trainer
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        config = recipe_config(FSDP_RECIPE, algorithm, device, ctx["fsdp_overrides"])
-        checks.true("fsdp: the recipe shards and recomputes", config.fsdp and config.recompute_activations)
         start = time.perf_counter()
-        trainer = TorchTrainer(ctx["model_dir"], config)
+        trainer = build(algorithm)
         load_s = round(time.perf_counter() - start, 2)
         metrics, seconds = timed_step(trainer, batch, device)
         result[algorithm] = {"load_s": load_s, **step_figures(metrics, seconds, batch, device)}
-        check_step(checks, f"fsdp {algorithm}", metrics, algorithm)
-    result["handback"] = handback(trainer, batch, device, checks)  # the PPO trainer: policy, critic, optimizers
-    result["failed"] = checks.failed
-    return result
+        check_step(checks, f"{backend} {algorithm}", metrics, algorithm)
+    return result, trainer, batch
 
 
 def handback(trainer, batch, device: str, checks: Checks) -> dict:
@@ -261,36 +272,24 @@ def _allocate(nbytes: int, out: str) -> None:
 
 # -------------------------------------------------------------- megatron
 def part_megatron(ctx: dict) -> dict:
-    import gc
-
-    import torch
-
     from relax_core.config.loader import load_recipe
     from relax_core.controller.setup import megatron_options
     from relax_core.train.megatron.trainer import MegatronTrainer, ensure_world
 
-    device, checks, result = ctx["device"], Checks(), {}
-    batch = samples(ctx["lengths"], ctx["shape"]["vocab_size"])
+    checks = Checks()
     options = megatron_options(load_recipe(MEGATRON_RECIPE, ["train.tensor_parallel=1", "cluster.train.gpus_per_node=1",
                                                              "rollout.num_engines=1", "rollout.gpus_per_engine=1"]))
-    ensure_world(device)
-    trainer = None
-    for algorithm in ALGORITHMS:
-        del trainer
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        config = recipe_config(MEGATRON_RECIPE, algorithm, device, ("train.tensor_parallel=1",))
-        start = time.perf_counter()
+    ensure_world(ctx["device"])
+
+    def build(algorithm: str):
+        config = recipe_config(MEGATRON_RECIPE, algorithm, ctx["device"], ("train.tensor_parallel=1",))
         trainer = MegatronTrainer(ctx["model_dir"], config, options.parallel,
                                   distributed_optimizer=options.distributed_optimizer)
-        load_s = round(time.perf_counter() - start, 2)
-        metrics, seconds = timed_step(trainer, batch, device)
-        result[algorithm] = {"load_s": load_s, **step_figures(metrics, seconds, batch, device)}
-        check_step(checks, f"megatron {algorithm}", metrics, algorithm)
         dtypes = sorted({str(t.dtype) for _, t in trainer.named_parameters_for_sync()})
         checks.true(f"megatron {algorithm}: weights sent in bf16", dtypes == ["torch.bfloat16"], str(dtypes))
+        return trainer
+
+    result, _, _ = steps_of("megatron", build, ctx, checks)
     result["failed"] = checks.failed
     return result
 

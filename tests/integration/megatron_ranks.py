@@ -231,6 +231,16 @@ def role_sync(rank: int, world: int, args: dict) -> None:
                                                  "version": version, "tokens": len(output)}))
 
 
+def ranks(role: str, tmp: Path, world: int, **args) -> Path:
+    """Run `role` on `world` ranks (the tests' entry point); the file rank 0 wrote its result to."""
+    from engine_fixtures import free_port, subprocess_env
+
+    out = tmp / f"{role}-{len(list(tmp.iterdir()))}.out"
+    code, log = run_ranks(role, {"world": world, "out": str(out), **args}, free_port(), subprocess_env())
+    assert code == 0, log[-8000:]
+    return out
+
+
 def run_ranks(role: str, args: dict, port: int, env: dict, timeout_s: float = 600) -> tuple[int, str]:
     """Start the ranks, wait for all; (the first non-zero exit code or 0, the ranks' output, a file: no pipe
     a hung rank could hold open). A failed rank or the timeout ends every rank, by PID."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_fixtures import EngineServer, free_port, subprocess_env
-from megatron_ranks import run_ranks
+from megatron_ranks import ranks, run_ranks
 from model_dirs import tiny_qwen3_moe
 
 from relax_core.models import tiny
@@ -31,13 +31,6 @@ from relax_core.models import tiny
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 ALPHABET = "abcdefghijklmnop"  # 16 characters + 3 special tokens: the samples' ids 3..18 are all real
-
-
-def ranks(role: str, tmp: Path, world: int, **args) -> Path:
-    out = tmp / f"{role}-{len(list(tmp.iterdir()))}.out"
-    code, log = run_ranks(role, {"world": world, "out": str(out), **args}, free_port(), subprocess_env())
-    assert code == 0, log[-8000:]
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -21,20 +21,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_fixtures import free_port, subprocess_env
-from megatron_ranks import run_ranks
+from engine_fixtures import subprocess_env
+from megatron_ranks import ranks
 
 from relax_core.models import tiny
 
 ALPHABET = "abcdefghijklmnop"
 LAYOUTS = {"one-rank-fp32": (1, {}, "float32"), "pp2-bf16": (2, {"pp": 2}, "bfloat16")}
-
-
-def ranks(role: str, tmp: Path, world: int, **args) -> Path:
-    out = tmp / f"{role}-{len(list(tmp.iterdir()))}.out"
-    code, log = run_ranks(role, {"world": world, "out": str(out), **args}, free_port(), subprocess_env())
-    assert code == 0, log[-8000:]
-    return out
 
 
 @pytest.fixture(scope="module")

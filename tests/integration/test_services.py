@@ -117,3 +117,19 @@ def test_the_advantage_service_writes_the_estimators_advantages_for_the_whole_st
     a = 0.5 / ((1 / 3) ** 0.5 + 1e-6)  # group 7 = {1, 0, 0, 1}: mean 0.5, unbiased std sqrt(1/3); group 9 equal
     assert extra["advantages"] == pytest.approx([a, -a, -a, a, 0.0, 0.0], abs=1e-5)
     bus.clear(3)
+
+
+def test_reference_workers_the_cluster_has_no_room_for_are_refused_at_once(local_ray):
+    """A reference group whose node never joined: the run fails naming it, instead of waiting forever for a
+    slot (the session's cluster has one reference slot and no GPU)."""
+    import ray
+
+    from relax_core.cluster.node import REFERENCE_RESOURCE
+    from relax_core.services.launch import check_capacity
+
+    check_capacity(ray, REFERENCE_RESOURCE, 1, 0, "cluster.reference")  # room for one CPU worker
+    with pytest.raises(RuntimeError, match=r"cluster.reference: 2 worker\(s\) need 2 'relax_reference' slot\(s\), "
+                                           r"but the Ray cluster has 1 slot\(s\)"):
+        check_capacity(ray, REFERENCE_RESOURCE, 2, 0, "cluster.reference")
+    with pytest.raises(RuntimeError, match=r"and 1 GPU\(s\), but the Ray cluster has 1 slot\(s\) and 0 GPU\(s\)"):
+        check_capacity(ray, REFERENCE_RESOURCE, 1, 1, "cluster.reference")
