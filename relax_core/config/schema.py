@@ -554,6 +554,10 @@ class ClusterConfig(Section):
     """Apptainer container."""
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     """Network selection."""
+    hub_cache: str | None = None
+    """Shared folder where `relax submit` downloads the recipe's hub models and data sets on the login node
+    (compute nodes often have no internet; the job reads them from here with the hub offline); it must be
+    visible from every node. Unset: `hub-cache` beside the run directory (in its parent folder)."""
 
     @property
     def groups(self) -> list[str]:
