@@ -45,6 +45,9 @@ RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = "driver.lock"
+# What flock fails with where a file system has no locks (Lustre mounted `noflock`, some FUSE and NFS mounts).
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+_WARNED_NO_LOCKS: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,12 @@ class RunDir:
         import fcntl
 
         with open(self.path / f".{RUN_FILE}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in NO_LOCKS:
+                    raise
+                warn_no_locks(self.path, exc)
             state = self.read_state() | fields
             tmp = self.path / f".{RUN_FILE}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(state, indent=2))
@@ -206,10 +214,39 @@ def _flock(fd: int, exclusive: bool) -> bool:
     except BlockingIOError:
         return False
     except OSError as exc:  # a file system without flock: nothing to enforce it with here
-        if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+        if exc.errno not in NO_LOCKS:
             raise
-        log.warning("this file system has no file locks (%s); one driver per run is not enforced", exc)
+        warn_no_locks(Path(os.readlink(f"/proc/self/fd/{fd}")), exc)
         return True
+
+
+def warn_no_locks(path: Path, exc: OSError) -> None:
+    """Warn, once per file system, that flock fails there (Lustre mounted `noflock`) and what goes without it."""
+    where = file_system(path)
+    if where in _WARNED_NO_LOCKS:
+        return
+    _WARNED_NO_LOCKS.add(where)
+    log.warning("file locks (flock) fail on %s (%s); going on without them: a second driver on one run directory "
+                "is not refused, and the job's processes may overwrite each other's updates of run.json. "
+                "Put runs on a file system with locks (Lustre: mounted with `flock`)", where, exc)
+
+
+def file_system(path: Path) -> str:
+    """`TYPE at MOUNT POINT` of the file system holding `path` (from /proc/self/mounts)."""
+    path = path.resolve()
+    best = ("?", "/")
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        mounts = []
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if path.is_relative_to(point) and len(point) >= len(best[1]):
+            best = (fields[2], point)
+    return f"{best[0]} at {best[1]}"
 
 
 def lock_holder(run: RunDir) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """The run directory: run.json under concurrent writers, private secrets, and the rules that keep a run safe:
 a resume stays the same run, one driver at a time, checkpoints tied to their run, each step logged once."""
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -16,7 +17,7 @@ from relax_core.checkpoint.layout import CheckpointError
 from relax_core.checkpoint.owner import check_owner, claim
 from relax_core.config import dump_recipe, load_recipe
 from relax_core.errors import RecipeError, UserError
-from relax_core.launch.rundir import DriverLock, RunDir, lock_holder
+from relax_core.launch.rundir import DriverLock, RunDir, file_system, lock_holder
 from relax_core.launch.same_run import check_same_run, fingerprint, stored_recipe
 from relax_core.metrics.tracker import MetricsTracker
 
@@ -127,6 +128,48 @@ def test_a_second_driver_is_refused_naming_the_holders_host_and_pid(tmp_path):
 def test_probing_the_lock_writes_nothing(tmp_path):
     run = RunDir(tmp_path / "run").create()
     assert lock_holder(run) is None and not run.lock_file.exists()
+
+
+
+# A file system mounted without flock (Lustre `noflock`): flock fails as it does there. This machine has no
+# Lustre, so the real CLI runs with fcntl.flock replaced by one that raises what Lustre's client returns.
+NO_FLOCK = """
+import errno, fcntl, sys
+def flock(fd, operation):
+    raise OSError(errno.ENOLCK, "No locks available")
+fcntl.flock = flock
+from relax_cli.main import app
+sys.argv = ["relax", *sys.argv[1:]]
+app()
+"""
+
+
+def test_submit_on_a_file_system_without_flock_warns_once_and_goes_on(tmp_path):
+    quickstart = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    env = os.environ | {"NO_COLOR": "1", "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-c", NO_FLOCK, "submit", str(quickstart), "--dry-run", "--executor",
+                           "local", "--run-dir", "r"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["state"] == "dry-run"  # run.json updated twice
+    warnings = [line for line in proc.stderr.splitlines() if "file locks (flock) fail" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert f"fail on {file_system(tmp_path)} (" in warnings[0] and "a second driver" in warnings[0]
+
+
+def test_a_driver_lock_without_flock_is_taken_with_a_warning(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    def flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    monkeypatch.setattr("relax_core.launch.rundir._WARNED_NO_LOCKS", set())
+    run = RunDir(tmp_path / "run")
+    with DriverLock(run):
+        run.update_state(state="running")
+    assert json.loads(run.lock_file.read_text())["pid"] == os.getpid()
+    assert len([m for m in caplog.messages if "file locks (flock) fail on" in m]) == 1  # once, for both locks
 
 
 # ---------------------------------------------------------------- checkpoint directories belong to one run
