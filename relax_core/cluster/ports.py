@@ -9,7 +9,9 @@ block (`lease_ports`) before it starts:
 
 - it holds the block's lock file (`flock`) in a node-local folder all users
   share; the kernel releases it when the last process holding it ends, however
-  it ends, so a crashed job never keeps its block;
+  it ends, so a crashed job never keeps its block; a lock file another user
+  made is locked as it is (never re-created: `fs.protected_regular` forbids
+  that), so two users never lease one block;
 - every port of the block can be bound right now (another program may use one);
 - the search starts at a block derived from the job id and the node's index,
   and walks on to the next one that passes both checks.
@@ -25,6 +27,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +123,10 @@ def lease_ports(job_id: int, node_index: int, folder: Path | None = None) -> Por
 
 
 def _try_lock(path: Path) -> int | None:
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)  # read-only suffices for flock: any user can lock it
+    """The lock file's descriptor, locked; None when the block is taken (locked, or a file this user cannot use)."""
+    fd = _open_lock_file(path)
+    if fd is None:
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
@@ -129,6 +135,35 @@ def _try_lock(path: Path) -> int | None:
         if exc.errno in (errno.EWOULDBLOCK, errno.EACCES):
             return None
         raise
+
+
+def _open_lock_file(path: Path) -> int | None:
+    """Open (read-only suffices for flock) the block's lock file, another user's as well as this one's.
+
+    An existing file opens without O_CREAT: with `fs.protected_regular` (systemd's default) the kernel refuses
+    O_CREAT on another user's file in a sticky world-writable folder, even to root. A missing one is created
+    with O_EXCL and made readable by all, so every user's leases see it. What is not a plain file this user
+    can read (a symlink, a FIFO, a file another user made private) counts as a taken block, never followed.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+    for _ in range(3):  # another process may create or remove the file between the two opens
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                os.fchmod(fd, 0o644)  # whatever this user's umask
+            except FileExistsError:
+                continue
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.ELOOP):
+                return None
+            raise
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        return None
+    return None
 
 
 def _all_free(ports: NodePorts) -> bool:
