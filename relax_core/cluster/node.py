@@ -6,8 +6,9 @@ runs (replacing itself with) `ray start --block` for this node: explicit
 ports of a block it leases on this machine (the head: the block the batch step
 leased for it, `--port-block`), a short node-local temp dir, explicit CPU/GPU
 counts, the group's custom resource (`relax_train` / `relax_rollout` /
-`relax_reference`) plus one that names the node, the node address of the
-configured interface, and the run's token. The batch step starts the head with the same function.
+`relax_reference`) plus one that names the node, the node's address (never
+loopback in a multi-node job: cluster/address.py), and the run's token. The
+batch step starts the head with the same function.
 
 What listens, and where: Ray's own servers listen on the node's address where
 Ray lets them (the runtime-env agent, the dashboard agent's HTTP server); its
@@ -22,16 +23,15 @@ cannot be turned off; it listens on the node's address, on a port of the block.)
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import math
 import os
 import socket
-import struct
 import sys
 import tempfile
 from pathlib import Path
 
+from relax_core.cluster.address import NodeAddress, pick_address
 from relax_core.cluster.local_ray import token_env
 from relax_core.cluster.ports import NodePorts, block_ports, lease_ports
 from relax_core.config.schema import Recipe, rollout_group_name
@@ -53,30 +53,27 @@ def node_resource(name: str) -> str:
     return f"relax_node_{name}"
 
 
-def interface_address(interface: str) -> str:
-    """IPv4 address of a network interface (e.g. ib0), as Ray and NCCL should use it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", interface[:15].encode()))  # SIOCGIFADDR
-        except OSError as exc:
-            raise RuntimeError(f"cluster.network.interface: no IPv4 address on interface '{interface}' "
-                               f"({exc})") from None
-    return socket.inet_ntoa(packed[20:24])
+def multi_node(recipe: Recipe) -> bool:
+    """Whether the job has more than one node (scale-out jobs add nodes to one later)."""
+    return sum(getattr(recipe.cluster, group).nodes for group in ("train", "rollout", "reference")) > 1
+
+
+def pick_node_address(recipe: Recipe, head_address: str | None = None) -> NodeAddress:
+    """This node's address (cluster/address.py); `head_address` (host:port) on every node but the head."""
+    head = head_address.rsplit(":", 1)[0] if head_address else None
+    return pick_address(recipe.cluster.network.interface, head=head,
+                        multi_node=head is not None or multi_node(recipe))
 
 
 def node_address(recipe: Recipe) -> str:
-    interface = recipe.cluster.network.interface
-    if interface:
-        return interface_address(interface)
-    return socket.gethostbyname(socket.gethostname())
+    """The head's address, as the batch step (on the head's machine) hands it to the other nodes."""
+    return pick_node_address(recipe).address
 
 
-def node_env(recipe: Recipe, run: RunDir, group: str, address: str) -> dict[str, str]:
-    """Environment of every process on the node: token, address, interfaces, the group's own variables."""
-    env = dict(os.environ) | token_env(run) | {"RELAX_NODE_IP": address}
-    interface = recipe.cluster.network.interface
-    if interface:
-        env |= {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+def node_env(recipe: Recipe, run: RunDir, group: str, address: NodeAddress) -> dict[str, str]:
+    """Environment of every process on the node: token, address, the interface NCCL and Gloo use (the one the
+    address was chosen by), the group's own variables."""
+    env = dict(os.environ) | token_env(run) | {"RELAX_NODE_IP": address.address} | address.socket_env()
     return env | dict(getattr(recipe.cluster, group).env)
 
 
@@ -148,14 +145,15 @@ def main(argv: list[str] | None = None) -> None:
     run = RunDir(Path(args.run_dir))
     recipe = load_recipe(run.recipe)
     name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    address = node_address(recipe)
+    picked = pick_node_address(recipe, args.head_address or None)
+    address = picked.address
     job_id = int(os.environ["SLURM_JOB_ID"])
     command = ray_start_command(recipe, run, group=args.group, index=args.index, name=name, address=address,
                                 job_id=job_id, head_address=args.head_address or None,
                                 ports=node_ports(args, job_id), scale_op=args.scale_op)
     role = f"{args.group}, scale-out {args.scale_op}" if args.scale_op else args.group
     print(f"relax node {name} ({role}, index {args.index}, {address}): {' '.join(command)}", flush=True)
-    os.execve(command[0], command, node_env(recipe, run, args.group, address))
+    os.execve(command[0], command, node_env(recipe, run, args.group, picked))
 
 
 if __name__ == "__main__":

@@ -528,11 +528,28 @@ class ContainerConfig(Section):
     """Environment variables set inside the container."""
 
 
+_INTERFACE_PATTERN = re.compile(r"[A-Za-z0-9_.:@*?\[\]-]{1,64}")
+
+
 class NetworkConfig(Section):
     """Which network the job's processes talk over."""
 
-    interface: str | None = None
-    """Network interface (e.g. `ib0`) for Ray's node address and NCCL/Gloo sockets; auto if unset."""
+    interface: list[str] | None = None
+    """Network interfaces for Ray's node address and NCCL/Gloo sockets, in order of preference: names or shell
+    patterns (`[ib0, "ib*", "eth*"]`; one name alone also works); each node takes the first that exists there
+    with an IPv4 address, so node types with differently named interfaces share a recipe. Unset: the address
+    the node's hostname resolves to, or where that is loopback (127.0.1.1 under Debian's /etc/hosts), the
+    interface that routes to the head, the default route's, or the first other interface that is up."""
+
+    @field_validator("interface", mode="before")
+    @classmethod
+    def _names_or_patterns(cls, value: Any) -> Any:
+        names = [value] if isinstance(value, str) else value
+        if isinstance(names, list):
+            bad = [name for name in names if not isinstance(name, str) or not _INTERFACE_PATTERN.fullmatch(name)]
+            if bad or not names:
+                raise ValueError(f"{bad or names} is not a list of interface names or patterns (e.g. [ib0, 'eth*'])")
+        return names
 
 
 class ClusterConfig(Section):
