@@ -10,6 +10,11 @@ counts, the group's custom resource (`relax_train` / `relax_rollout` /
 loopback in a multi-node job: cluster/address.py), and the run's token. The
 batch step starts the head with the same function.
 
+Before Ray starts, the node raises its soft open-file limit to what Ray
+recommends (or the hard limit) and, where InfiniBand devices exist, its soft
+locked-memory limit to the hard one; what stays too low is a warning in the
+node's log, naming the setting to change.
+
 What listens, and where: Ray's own servers listen on the node's address where
 Ray lets them (the runtime-env agent, the dashboard agent's HTTP server); its
 core gRPC servers (GCS, raylet, object manager, workers) and the dashboard
@@ -26,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import socket
 import sys
 import tempfile
@@ -40,6 +46,8 @@ from relax_core.launch.rundir import RunDir
 # Custom Ray resources nodes advertise: training-rank slots, engine slots, reference-worker slots.
 TRAIN_RESOURCE, ROLLOUT_RESOURCE, REFERENCE_RESOURCE = "relax_train", "relax_rollout", "relax_reference"
 JUDGE_RESOURCE = "relax_judge"  # judge-engine slots (`reward.genrm`), on the engines' group beside its engine slots
+NOFILE = 65536  # open files a Ray node should be allowed (Ray recommends at least 65535)
+INFINIBAND = Path("/sys/class/infiniband")
 
 
 def scale_resource(op_id: str) -> str:
@@ -122,6 +130,32 @@ def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, na
     return command + [f"--address={head_address}"]
 
 
+def raise_limits() -> list[str]:
+    """Raise this process's soft limits, which Ray and all it starts inherit: open files to min(hard, NOFILE),
+    locked memory to its hard limit where InfiniBand devices exist. Returns warnings on what stays too low."""
+    warnings = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = NOFILE if hard == resource.RLIM_INFINITY else min(hard, NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    if hard != resource.RLIM_INFINITY and hard < NOFILE:
+        warnings.append(f"the open-file limit's hard limit is {hard}, below the {NOFILE} Ray recommends: large "
+                        f"runs may fail with 'Too many open files' (the site sets it: `nofile` in "
+                        f"/etc/security/limits.conf, LimitNOFILE of slurmd)")
+    devices = sorted(path.name for path in INFINIBAND.iterdir()) if INFINIBAND.is_dir() else []
+    if devices:
+        soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+        if hard != resource.RLIM_INFINITY:
+            warnings.append(f"the locked-memory limit (RLIMIT_MEMLOCK) is {hard} bytes on a node with InfiniBand "
+                            f"devices ({', '.join(devices)}); NCCL over InfiniBand needs it unlimited. Slurm passes "
+                            f"the submitting shell's limits on (PropagateResourceLimits): set `memlock unlimited` in "
+                            f"/etc/security/limits.conf where you submit, or ask the admins for "
+                            f"PropagateResourceLimitsExcept=MEMLOCK in slurm.conf and LimitMEMLOCK=infinity for slurmd")
+    return warnings
+
+
 def node_ports(args: argparse.Namespace, job_id: int) -> NodePorts:
     """The head's block as leased by the batch step, or one this node leases now and holds while it runs."""
     if args.port_block is not None:
@@ -145,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     run = RunDir(Path(args.run_dir))
     recipe = load_recipe(run.recipe)
     name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    for warning in raise_limits():
+        print(f"relax node {name}: warning: {warning}", file=sys.stderr, flush=True)
     picked = pick_node_address(recipe, args.head_address or None)
     address = picked.address
     job_id = int(os.environ["SLURM_JOB_ID"])

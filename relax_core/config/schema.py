@@ -523,9 +523,13 @@ class ContainerConfig(Section):
     image: str | None = None
     """Path of the `.sif` image; no container when unset."""
     binds: list[str] = Field(default_factory=list)
-    """Bind mounts (`src[:dst[:opts]]`)."""
+    """Bind mounts (`src[:dst[:opts]]`) besides those Relax adds: the run directory and every path the recipe
+    names (model, tokenizer, data, environment and agent code, reward plug-ins, judge, `checkpoint.dir`, the
+    hub cache), each at the same path inside."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Environment variables set inside the container."""
+    """Environment variables set inside the container. The host's environment does not pass in (`--cleanenv`:
+    no module's PYTHONPATH, LD_LIBRARY_PATH or NCCL_*), except what Slurm sets for the step (SLURM_*, the GPUs
+    it assigned) and RELAX_*, HF_* and WANDB_*; set anything else (NCCL_SOCKET_IFNAME, ...) here."""
 
 
 _INTERFACE_PATTERN = re.compile(r"[A-Za-z0-9_.:@*?\[\]-]{1,64}")

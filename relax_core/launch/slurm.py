@@ -214,7 +214,7 @@ class SlurmExecutor(Executor):
 
         problems = [f"cluster.slurm: '{tool}' is not on PATH (load Slurm's module, or use --executor local)"
                     for tool in ("sbatch", "squeue", "scontrol") if not shutil.which(tool)]
-        return problems + check_container(recipe.cluster.container)
+        return problems + check_container(recipe.cluster.container, recipe=recipe)
 
     def prepare(self, sub) -> None:
         """The rendered job script, once Slurm said it could run it (`sbatch --test-only`)."""
