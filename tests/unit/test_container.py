@@ -14,6 +14,7 @@ import re
 import shlex
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def test_prefix_binds_env_gpu_and_run_dir(tmp_path, image):
     run = tmp_path / "runs" / "r1"
     config = ContainerConfig(image=str(image), binds=[f"{data}:/data:ro"], env={"HF_HOME": "/data/hf"})
     assert container_prefix(config, run_dir=run, gpus=True) == [
-        "apptainer", "exec", "--nv",
+        sys.executable, "-m", "relax_core.launch.container",  # passes the step's Slurm variables in
+        "apptainer", "exec", "--cleanenv", "--nv",
         "--bind", f"{data}:/data:ro",
         "--bind", str(run),
         "--env", "PYTHONNOUSERSITE=1",
@@ -134,7 +136,7 @@ def test_rendered_line_reaches_apptainer_intact(tmp_path, image, monkeypatch):
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\nset -euo pipefail\nexec {shlex.join(argv)}\n")
     out = subprocess.run(["/bin/bash", str(script)], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == argv[1:]
+    assert out.splitlines() == argv[argv.index(str(printer)) + 1:]
     assert "P=$HOME/x y" in out.splitlines()  # expanded inside the container, not by the batch shell
 
 
