@@ -21,7 +21,7 @@ def submit(
 ) -> None:
     """Run a recipe: locally on this machine, or as a Slurm job."""
     from relax_core.launch.plan import plan_lines
-    from relax_core.launch.submit import dry_run_plan, prepare, record
+    from relax_core.launch.submit import dry_run_plan, fetch, prepare, record
 
     sub = prepare(recipe, overrides or [], executor, run_dir)
     if dry_run:
@@ -34,6 +34,7 @@ def submit(
         for line in plan_lines(sub.recipe, sub.executor.name, run_dir=str(sub.run.path)) + dry_run_plan(sub):
             out.print(line, markup=False)
         return
+    fetch(sub, lambda line: out.print(line, markup=False))
     out.print(f"run directory: {sub.run.path}", markup=False)
     launched = sub.executor.launch(sub, out)
     if launched.outcome == "stopped":  # preempted after checkpointing its last completed step

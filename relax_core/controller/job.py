@@ -45,6 +45,7 @@ class Job:
         from relax_core.metrics.tracker import MetricsTracker
         from relax_core.rewards.hub import check_routes
 
+        recipe = setup.with_fetched(recipe, run)  # hub ids: the folders `relax submit` fetched them to
         self.recipe, self.run = recipe, run
         self.notifier = notifier
         self.restarted = restarted

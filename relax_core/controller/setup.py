@@ -35,12 +35,30 @@ def trust_remote_code(recipe: Recipe) -> bool:
     return isinstance(recipe.model, HFModel) and recipe.model.trust_remote_code
 
 
+def with_fetched(recipe: Recipe, run: RunDir) -> Recipe:
+    """The recipe with each hub id replaced by the folder `relax submit` fetched it to on the login node
+    (run.json's `hub`, field -> folder; launch/hub.py), so the job's processes load those and never ask the hub."""
+    fetched = run.read_state().get("hub") or {}
+    if not fetched:
+        return recipe
+    values = recipe.model_dump(mode="json")
+    for field, folder in fetched.items():
+        *parents, last = field.split(".")
+        section = values
+        for part in parents:
+            section = section[part]
+        log.info("%s: %s from the login node's fetch: %s", field, section[last], folder)
+        section[last] = folder
+    return Recipe.model_validate(values)
+
+
 def prepare_model_dir(recipe: Recipe, run: RunDir) -> Path:
     """The HF model directory trainers and engines load (built, local, or fetched once).
 
     Once per process and run: the local driver prepares it while Ray starts
     (entrypoints/local_driver.py), and the job then finds it ready.
     """
+    recipe = with_fetched(recipe, run)
     key = (str(run.path), recipe.model.model_dump_json())
     if key not in _prepared or not _prepared[key].exists():
         _prepared[key] = _model_dir(recipe, run)

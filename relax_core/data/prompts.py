@@ -22,6 +22,7 @@ keys), and `media.row_media` decodes it where the row is used.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import random
 from pathlib import Path
@@ -208,20 +209,37 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
         raise UserError(f"data.path: '{path}' is not JSON lines: {exc}") from None
 
 
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def split_patterns(split: str) -> list[str]:
+    """The files of a hub data set that hold `split` (what is fetched of it)."""
+    return [f"*{split}*{suffix}" for suffix in DATA_SUFFIXES]
+
+
+def split_files(root: Path, split: str) -> list[Path]:
+    """The files of `split` in a hub data set's folder (which may hold other splits fetched before)."""
+    patterns = split_patterns(split)
+    return sorted(p for p in root.rglob("*") if p.is_file()
+                  and any(fnmatch.fnmatch(p.relative_to(root).as_posix(), pattern) for pattern in patterns))
+
+
 def _hub_files(data: FileData, local_only: bool = False) -> list[Path]:
-    """The split's files of a hub data set (fetched once); with `local_only`, none unless already downloaded."""
+    """The split's files of a hub data set: in its folder when `data.path` is one (where `relax submit` fetched
+    it), else fetched once; with `local_only`, none unless already downloaded."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    patterns = [f"*{data.split}*.{ext}" for ext in ("parquet", "jsonl", "json")]
+    root = Path(data.path).expanduser()
     try:
-        root = Path(snapshot_download(data.path, repo_type="dataset", allow_patterns=patterns,
-                                      local_files_only=local_only))
+        if not root.is_dir():
+            root = Path(snapshot_download(data.path, repo_type="dataset", allow_patterns=split_patterns(data.split),
+                                          local_files_only=local_only))
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         if local_only:
             return []
         raise
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".parquet", ".jsonl", ".json"))
+    files = split_files(root, data.split)
     if not files:
         raise UserError(f"data.path: hub data set '{data.path}' has no {data.split} split files")
     return files

@@ -188,6 +188,7 @@ def _now() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from relax_core.config import load_recipe
+    from relax_core.launch.hub import hub_env
 
     run = RunDir(Path((argv or sys.argv[1:])[0]).resolve())
     try:  # the run's driver lock, held until this batch step ends (the submitting node cannot hold it)
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"relax: {exc}", file=sys.stderr, flush=True)
         return 2
     recipe = load_recipe(run.recipe)
+    # Every step (and scale-out job) inherits this: the hub offline, its cache the one `relax submit` filled.
+    os.environ.update(hub_env(recipe, run.path))
     alloc = Allocation.from_environ(recipe.cluster.groups)
     start_step = run.read_state().get("checkpoint_step", 0)
     head_lease = lease_ports(alloc.job_id, 0)  # this step runs on the head's machine, and holds it until it ends

@@ -31,6 +31,7 @@ SAFE_TO_CHANGE = {
     "cluster.executor": "where the driver runs; the node groups that compute must still match",
     "cluster.slurm": "scheduling only: partition, account, qos, time limit, signals, start-up timeout",
     "cluster.network": "which interface the job's processes talk over",
+    "cluster.hub_cache": "where the hub ids are downloaded to; the ids stay the same",
     "cluster.train.mem": "a memory request",
     "cluster.rollout.mem": "a memory request",
     "cluster.reference.mem": "a memory request",

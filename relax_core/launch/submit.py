@@ -3,6 +3,8 @@
     prepare()  load + override + validate + preflight   (nothing written yet)
                --run-dir: new, or an existing run this recipe continues (check_run_dir)
                executor.prepare: e.g. render the job script, `sbatch --test-only` it (still nothing written)
+    fetch()    the hub models and data sets the recipe names, into the shared hub cache (launch/hub.py);
+               a dry run fetches nothing
     record()   run directory with the resolved recipe (and job script)   (--dry-run stops here)
     executor.launch: local: the driver runs in this process; slurm: sbatch
 
@@ -39,6 +41,7 @@ class Submission:
     existing: bool = False  # --run-dir names a run that has started before: this submit resumes it
     changes: list[tuple[str, Any, Any]] = field(default_factory=list)  # the safe changes of a resume
     resume_step: int | None = None  # the checkpoint a resume starts from
+    hub: dict[str, str] = field(default_factory=dict)  # recipe field -> the folder its hub id was fetched to
 
 
 def prepare(recipe_path: str | Path, overrides: list[str], executor: str | None = None,
@@ -116,14 +119,27 @@ def _check_resume_step(sub: Submission, ckpt: Path) -> None:
 
 def dry_run_plan(sub: Submission) -> list[str]:
     """What a real submit would do; for an existing run nothing has been written."""
+    from relax_core.launch.hub import hub_cache_dir, hub_refs
+
     name, steps = sub.recipe.name, sub.recipe.train.steps
+    cache = hub_cache_dir(sub.recipe, sub.run.path)
+    fetches = [f"a submit fetches {ref.field} '{ref.repo_id}' from the hub into {cache} first (fetched nothing now)"
+               for ref in hub_refs(sub.recipe)]
     if not sub.existing:
-        return [f"dry run: checked and recorded; the {sub.executor.name} executor would start {name}"]
+        return [f"dry run: checked and recorded; the {sub.executor.name} executor would start {name}", *fetches]
     start = f"from step {sub.resume_step}" if sub.resume_step else "from the start (no checkpoint yet)"
     state = sub.run.read_state().get("state", "unknown")
     return [f"dry run: {sub.run.path} is an existing run ({state}); checked it and wrote nothing",
             f"a submit would resume it with the {sub.executor.name} executor {start} to step {steps}",
-            *([f"  change: {describe(c)}" for c in sub.changes] or ["  the recipe is unchanged"])]
+            *([f"  change: {describe(c)}" for c in sub.changes] or ["  the recipe is unchanged"]), *fetches]
+
+
+def fetch(sub: Submission, say=None) -> None:
+    """Download the hub ids the recipe names into the shared cache, here on the login node, before anything
+    is recorded: one that cannot be fetched is a `RecipeError` naming its field, and nothing is submitted."""
+    from relax_core.launch.hub import fetch_hub
+
+    sub.hub = fetch_hub(sub.recipe, sub.run.path, say)
 
 
 def record(sub: Submission) -> None:
@@ -137,4 +153,5 @@ def record(sub: Submission) -> None:
     sub.run.run_id()
     # error/finished: what an earlier attempt of a resumed run ended with
     sub.run.update_state(name=sub.recipe.name, executor=sub.executor.name, state="pending", error=None, finished=None,
+                         hub=sub.hub,
                          total_steps=sub.recipe.train.steps, submitted=time.strftime("%Y-%m-%dT%H:%M:%S"))
