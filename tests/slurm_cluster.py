@@ -24,6 +24,7 @@ import shlex
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -32,11 +33,14 @@ from pathlib import Path
 
 import pytest
 
-NODE_NAMES = ("n1", "n2", "n3", "n4")  # partition "debug": 2 CPUs, 4000 MB, no GPU each
+NODE_NAMES = ("n1", "n2", "n3", "n4")  # partition "debug": 2 CPUs, 4000 MB, 2 stand-in GPUs each
 PARTITION = "debug"
+NODE_GPU_TYPE = "tesla"  # the n nodes' gres is typed: `--gres=gpu:tesla:2` fits, another type is refused
+NODE_GPUS = 2
 GPU_NODE_NAMES = ("g1", "g2")  # partition "gpu": look like 8-GPU, 64-CPU, ~1 TB nodes
 GPU_PARTITION = "gpu"
 GPUS_PER_NODE = 8
+NVIDIA_MAJOR = 195  # the character-device major number of /dev/nvidia0, /dev/nvidia1, ...
 # Environment a surrounding Slurm job (or a user's shell) may set; any of it
 # would steer sbatch/srun away from the test cluster.
 FOREIGN_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SINFO_", "SCONTROL_")
@@ -52,8 +56,10 @@ MAX_ROOT_LEN = 60
 # triggers: sched_interval=1 runs one every second instead of every 60 s.
 # The g nodes let `sbatch --test-only` judge full-size GPU recipes:
 # config_overrides makes slurmd report the configured size instead of this
-# machine's, and gres/gpu needs a File= per GPU (plain files do: slurmd logs
-# "not a valid character or block device" and carries on).
+# machine's. Every GPU is a File= in gres.conf, a character device made with
+# mknod like /dev/nvidiaK (c 195 K): a job's gres sets CUDA_VISIBLE_DEVICES to
+# the indices it got. task/affinity binds every task to the CPUs its job or
+# step was given (os.sched_getaffinity shows them), as sites' task plugins do.
 SLURM_CONF_TEMPLATE = """\
 ClusterName=relax-test
 SlurmctldHost=localhost
@@ -71,7 +77,7 @@ SlurmdPidFile={root}/run/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
@@ -89,12 +95,39 @@ InactiveLimit=0
 MinJobAge=300
 KillWait=5
 Waittime=0
-NodeName=n[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6821-6824] CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=n[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6821-6824] CPUs=2 RealMemory=4000 Gres={node_gres}
 NodeName=g[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6825-6826] CPUs=64 RealMemory=1000000 Gres=gpu:8 State=UNKNOWN
 PartitionName=debug Nodes=n[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 PartitionName=gpu Nodes=g[1-2] MaxTime=INFINITE State=UP OverSubscribe=YES
 """
-GRES_CONF_TEMPLATE = "NodeName=g[1-2] Name=gpu File={root}/fake-gpu/nvidia[0-7]\n"
+
+
+def gres_conf(root: Path) -> str:
+    """gres.conf: one line per node, naming that node's own stand-in device files."""
+    lines = [
+        f"NodeName={node} Name=gpu Type={NODE_GPU_TYPE} File={root}/fake-gpu/{node}/nvidia[0-{NODE_GPUS - 1}]\n"
+        for node in NODE_NAMES
+    ]
+    lines += [
+        f"NodeName={node} Name=gpu File={root}/fake-gpu/{node}/nvidia[0-{GPUS_PER_NODE - 1}]\n"
+        for node in GPU_NODE_NAMES
+    ]
+    return "".join(lines)
+
+
+def make_fake_gpus(directory: Path, count: int) -> None:
+    """Character devices nvidia0..nvidia{count-1} (major 195, like NVIDIA's) in `directory`.
+
+    Without the right to mknod (a user namespace) they are plain files: slurmd
+    logs "not a valid character or block device" and carries on.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        path = directory / f"nvidia{index}"
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, index))
+        except PermissionError:
+            path.touch()
 
 
 class SlurmCommandError(subprocess.CalledProcessError):
@@ -186,6 +219,8 @@ class SlurmCluster:
     gpu_partition = GPU_PARTITION
     gpu_node_names = GPU_NODE_NAMES
     gpus_per_node = GPUS_PER_NODE
+    node_gpu_type = NODE_GPU_TYPE
+    node_gpus = NODE_GPUS
 
     def __init__(self, root: Path, cred_expire: int = 5) -> None:
         if cred_expire < 5:
@@ -231,15 +266,19 @@ class SlurmCluster:
     def _write_files(self) -> None:
         for sub in ("state", "log", "run", "munge", "spool", "jobs", "fake-gpu"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        for index in range(GPUS_PER_NODE):
-            (self.root / "fake-gpu" / f"nvidia{index}").touch()
+        for node in self.all_node_names:
+            make_fake_gpus(self.root / "fake-gpu" / node, NODE_GPUS if node in NODE_NAMES else GPUS_PER_NODE)
         self.munge_dir.chmod(0o755)  # munged refuses a group/world-writable socket directory
         key = self.munge_dir / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
-        self.conf_path.write_text(SLURM_CONF_TEMPLATE.format(root=self.root, cred_expire=self.cred_expire))
+        self.conf_path.write_text(
+            SLURM_CONF_TEMPLATE.format(
+                root=self.root, cred_expire=self.cred_expire, node_gres=f"gpu:{NODE_GPU_TYPE}:{NODE_GPUS}"
+            )
+        )
         # Slurm reads gres.conf from the directory SLURM_CONF is in.
-        (self.root / "gres.conf").write_text(GRES_CONF_TEMPLATE.format(root=self.root))
+        (self.root / "gres.conf").write_text(gres_conf(self.root))
 
     def _start_munged(self) -> None:
         socket_path = self.munge_dir / "munge.socket.2"
@@ -296,6 +335,10 @@ class SlurmCluster:
             handle.write(script)
         out = self.run(["sbatch", "--parsable", f"--chdir={self.root / 'jobs'}", *sbatch_args, path]).stdout
         return int(out.strip().split(";")[0])
+
+    def gpu_device_files(self, node: str) -> list[Path]:
+        """The stand-in device files of `node`'s GPUs (character devices 195:K, as gres.conf names them)."""
+        return sorted((self.root / "fake-gpu" / node).glob("nvidia*"))
 
     def job_info(self, job_id: int) -> dict[str, str]:
         """`scontrol show job` fields of the job (of the leader, for a het job)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def test_sinfo_shows_every_node_idle_and_clients_use_the_test_conf(slurm_cluster
     assert sorted(out.split("\n")[:-1]) == [
         "g1 gpu idle 64 1000000 gpu:8",
         "g2 gpu idle 64 1000000 gpu:8",
-        *[f"n{i} debug* idle 2 4000 (null)" for i in range(1, 5)],
+        *[f"n{i} debug* idle 2 4000 gpu:tesla:2" for i in range(1, 5)],
     ]
 
 
@@ -127,6 +128,47 @@ def test_a_gpu_job_runs_on_a_fake_gpu_node(slurm_cluster: SlurmCluster, tmp_path
     assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
     seen = read_vars(out)
     assert seen["NODE"] in slurm_cluster.gpu_node_names and seen["GPUS"] == "8"
+
+
+def test_a_job_sees_the_gpus_its_gres_gave_it_and_their_device_files(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    out = tmp_path / "gres.out"
+    script = """#!/bin/bash
+echo NODE=$SLURMD_NODENAME
+echo CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES
+srun --gres=gpu:tesla:1 bash -c 'echo STEP_CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES'
+"""
+    job_id = slurm_cluster.submit(script, "--gres=gpu:tesla:2", f"--output={out}")
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    seen = read_vars(out)
+    assert seen["CUDA_VISIBLE_DEVICES"] == "0,1" and seen["STEP_CUDA_VISIBLE_DEVICES"] == "0"
+    devices = sorted(slurm_cluster.gpu_device_files(seen["NODE"]))
+    assert [(os.major(d.stat().st_rdev), os.minor(d.stat().st_rdev)) for d in devices] == [(195, 0), (195, 1)]
+    assert all(stat.S_ISCHR(d.stat().st_mode) for d in devices)
+
+
+def test_a_gpu_type_the_nodes_lack_is_refused(slurm_cluster: SlurmCluster) -> None:
+    accepted = slurm_cluster.run("sbatch --test-only --gres=gpu:tesla:2 --wrap true")
+    assert "to start at" in accepted.stderr
+    for request in ("--gres=gpu:a100:1", "--gres=gpu:tesla:3"):
+        proc = slurm_cluster.run(f"sbatch --test-only {request} --wrap true", check=False)
+        assert proc.returncode == 1, request
+        assert proc.stderr == "allocation failure: Requested node configuration is not available\n", request
+
+
+def test_tasks_are_bound_to_the_cpus_their_step_asked_for(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """task/affinity: a step's processes can run only on the CPUs it was given."""
+    out = tmp_path / "affinity.out"
+    count = "python3 -c 'import os; print(len(os.sched_getaffinity(0)))'"
+    script = f"""#!/bin/bash
+echo BATCH=$({count})
+echo ONE=$(srun --ntasks=1 --cpus-per-task=1 {count})
+echo TWO=$(srun --ntasks=1 --cpus-per-task=2 {count})
+"""
+    job_id = slurm_cluster.submit(script, "--nodes=1", "--cpus-per-task=2", f"--output={out}")
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    assert read_vars(out) == {"BATCH": "2", "ONE": "1", "TWO": "2"}
 
 
 def test_scancel_delivers_usr1_to_the_batch_script(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
