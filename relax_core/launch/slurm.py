@@ -14,7 +14,6 @@ Light imports only: this runs on the login node.
 
 from __future__ import annotations
 
-import json
 import shlex
 import shutil
 import subprocess
@@ -149,21 +148,41 @@ def submit_script(script: Path, env: dict[str, str] | None = None) -> str:
 
 
 # ------------------------------------------------------------------ queries
+class SchedulerUnavailable(RuntimeError):
+    """`squeue` itself failed (the controller busy, down or timing out): nothing is known about the jobs."""
+
+
 def scheduler_states(job_ids: list[str]) -> dict[str, str]:
-    """Slurm's state of each job, with one squeue call (then sacct for finished jobs)."""
-    states: dict[str, str] = {}
+    """Slurm's state (`RUNNING`, `COMPLETED`, ...) of each of `job_ids` that Slurm still knows; a job
+    missing from the answer is one Slurm no longer knows (ended long ago, with accounting off).
+
+    One `squeue -h -t all -j IDS -o '%i|%T'` (the plain format every Slurm from 20.11 to 24.11 reads:
+    `squeue --json` does not exist before 21.08 and ignores `-j` on 21.08 and 22.05), then `sacct` for the
+    jobs the controller has forgotten. A heterogeneous job's components (`123+0`, `123+1`) answer for the
+    job `123`, by its component 0. Raises `SchedulerUnavailable` when `squeue` fails, so that a busy
+    controller is never taken for jobs that ended."""
     if not job_ids:
-        return states
-    proc = subprocess.run(["squeue", "--json", "-j", ",".join(job_ids)], capture_output=True, text=True, timeout=60)
-    if proc.returncode == 0:
-        for job in json.loads(proc.stdout).get("jobs", []):
-            state = job.get("job_state")
-            states.setdefault(str(job.get("job_id")), state[0] if isinstance(state, list) else state)
+        return {}
+    argv = ["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T"]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SchedulerUnavailable(f"{shlex.join(argv)}: {exc}") from None
+    # Asked about jobs it no longer holds only, squeue refuses them all: known, and the answer is "none".
+    if proc.returncode != 0 and "invalid job id" not in proc.stderr.lower():
+        raise SchedulerUnavailable(f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip()}")
+    states: dict[str, str] = {}
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        job, _, state = line.strip().partition("|")
+        leader, _, component = job.partition("+")
+        if leader in job_ids and state and (component in ("", "0") or leader not in states):
+            states[leader] = state
     missing = [j for j in job_ids if j not in states]
     return states | _sacct_states(missing)
 
 
 def _sacct_states(job_ids: list[str]) -> dict[str, str]:
+    """States from accounting; nothing where accounting is off or does not answer."""
     if not job_ids:
         return {}
     try:
@@ -175,7 +194,7 @@ def _sacct_states(job_ids: list[str]) -> dict[str, str]:
     for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
         job, _, state = line.partition("|")
         states.setdefault(job.split("+")[0], state.split()[0] if state else "")
-    return states
+    return {job: state for job, state in states.items() if job in job_ids}
 
 
 def cancel(job_id: str) -> None:
@@ -198,7 +217,8 @@ SLURM_STATES = {
     "REQUEUED": "requeued", "REQUEUE_HOLD": "requeued", "REQUEUE_FED": "requeued", "RESIZING": "running",
     "SUSPENDED": "suspended", "PREEMPTED": "preempted", "COMPLETED": "completed", "CANCELLED": "cancelled",
     "FAILED": "failed", "TIMEOUT": "failed", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
-    "BOOT_FAIL": "failed", "DEADLINE": "failed",
+    "BOOT_FAIL": "failed", "DEADLINE": "failed", "SPECIAL_EXIT": "failed", "REVOKED": "cancelled",
+    "RESV_DEL_HOLD": "pending", "STOPPED": "suspended", "SIGNALING": "running", "STAGE_OUT": "running",
 }
 
 
@@ -241,7 +261,10 @@ class SlurmExecutor(Executor):
         recorded, job_id = state.get("state", "unknown"), state.get("job_id")
         if not job_id or recorded == "dry-run":
             return recorded
-        slurm = scheduler_states([str(job_id)]).get(str(job_id))
+        try:
+            slurm = scheduler_states([str(job_id)]).get(str(job_id))
+        except SchedulerUnavailable:  # the controller did not answer: what the run recorded, not "died"
+            return recorded
         if slurm is None:  # Slurm forgot the job (no accounting): trust the record, unless it claims to be live
             return "died" if recorded in ("pending", "running", "requeued") else recorded
         mapped = SLURM_STATES.get(slurm.upper(), slurm.lower())
