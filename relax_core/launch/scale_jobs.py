@@ -37,6 +37,7 @@ from relax_core.launch.rundir import RunDir
 log = logging.getLogger(__name__)
 FOLDER = "scale"
 STATE_EVERY_S = 3.0  # how often the supervisor asks Slurm about its scale-out jobs
+WARN_EVERY_S = 300.0  # while squeue fails, how often the job's log says so again
 
 
 def _folder(run: RunDir) -> Path:
@@ -120,6 +121,8 @@ class ScaleJobs:
         self.folder = run.path / FOLDER
         self.jobs: dict[str, str] = {}  # op -> Slurm job id, of the jobs still running
         self._next_state = 0.0
+        self._failing_since: float | None = None  # since when squeue fails (None: it answers)
+        self._warned = 0.0
 
     def poll(self) -> None:
         if not self.folder.is_dir():
@@ -161,15 +164,36 @@ class ScaleJobs:
         print(f"relax: scale-out {op_id}: cancelled Slurm job {job_id}", flush=True)
 
     def _note_ended(self) -> None:
-        """Scale-out jobs Slurm no longer runs (time limit, failure, cancelled by hand) are marked ended."""
-        from relax_core.launch.slurm import SLURM_STATES, scheduler_states
+        """Scale-out jobs Slurm no longer runs (time limit, failure, cancelled by hand) are marked ended.
+        While `squeue` fails (a busy or restarting controller) every job is kept as it was, to be asked
+        about again at the next poll and cancelled at the run's end: a failed query is not an ended job."""
+        from relax_core.launch.slurm import SLURM_STATES, SchedulerUnavailable, scheduler_states
 
-        states = scheduler_states(list(self.jobs.values()))
+        try:
+            states = scheduler_states(list(self.jobs.values()))
+        except SchedulerUnavailable as exc:
+            self._query_failed(exc)
+            return
+        if self._failing_since is not None:
+            print(f"relax: squeue answers again, after {time.monotonic() - self._failing_since:.0f}s", flush=True)
+            self._failing_since = None
         for op_id, job_id in list(self.jobs.items()):
-            mapped = SLURM_STATES.get(str(states.get(job_id, "")).upper(), "ended")
-            if mapped not in ("pending", "running"):
+            state = states.get(job_id)
+            if state is None or SLURM_STATES.get(state.upper()) not in (None, "pending", "running", "suspended"):
                 self.jobs.pop(op_id)
-                self._mark_ended(op_id, f"Slurm job {job_id} {states.get(job_id, 'is gone')}".lower())
+                self._mark_ended(op_id, f"Slurm job {job_id} {state or 'is gone'}".lower())
+
+    def _query_failed(self, exc: Exception) -> None:
+        """One line when `squeue` starts failing, then one every `WARN_EVERY_S` while it goes on."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since, self._warned = now, now
+            print(f"relax: cannot ask Slurm about the scale-out jobs ({exc}); asking again", file=sys.stderr,
+                  flush=True)
+        elif now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            print(f"relax: squeue still failing after {now - self._failing_since:.0f}s: {exc}", file=sys.stderr,
+                  flush=True)
 
     def _mark_ended(self, op_id: str, how: str) -> None:
         path = self.folder / f"{op_id}.job.json"

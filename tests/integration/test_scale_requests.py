@@ -10,9 +10,52 @@ jobs here are the real ones the supervisor renders and submits; their
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from pathlib import Path
+
+from relax_core.config import load_recipe
+from relax_core.launch import scale_jobs
+from relax_core.launch.rundir import RunDir
+from relax_core.launch.scale_jobs import ScaleJobRequests, ScaleJobs
 from relax_core.launch.slurm import scheduler_states
 
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 SLEEPING = "#!/bin/bash\nsleep 600\n"
+# Slurm's own words when squeue cannot reach a busy controller.
+TIMED_OUT = "slurm_load_jobs error: Socket timed out on send/recv operation"
+
+
+def supervisor_of(tmp_path: Path, *overrides: str) -> ScaleJobs:
+    """A run's supervisor side of the scale-out jobs; each job it submits sleeps in its setup."""
+    recipe = load_recipe(QUICKSTART, ["cluster.rollout.nodes=1", "cluster.rollout.cpus_per_node=1",
+                                      "cluster.slurm.setup=[sleep 600]", *overrides])
+    return ScaleJobs(recipe, RunDir(tmp_path / "run").create())
+
+
+def squeue_failing(tmp_path: Path, times: int) -> Path:
+    """A folder to put first on PATH: its `squeue` fails `times` times as Slurm's does when the controller
+    does not answer, then runs the real one."""
+    real, folder, count = shutil.which("squeue"), tmp_path / "bin", tmp_path / "squeue-calls"
+    folder.mkdir()
+    wrapper = folder / "squeue"
+    wrapper.write_text(f"""#!/bin/bash
+n=$(( $(cat {count} 2>/dev/null || echo 0) + 1 ))
+echo $n > {count}
+if (( n <= {times} )); then
+    echo "{TIMED_OUT}" >&2
+    exit 1
+fi
+exec {real} "$@"
+""")
+    wrapper.chmod(0o755)
+    return folder
+
+
+def job_record(supervisor: ScaleJobs, op_id: str) -> dict:
+    return json.loads((supervisor.folder / f"{op_id}.job.json").read_text())
 
 
 def test_the_states_of_the_jobs_asked_a_het_job_by_its_components_a_forgotten_job_by_none(slurm_cluster):
@@ -30,3 +73,36 @@ def test_the_states_of_the_jobs_asked_a_het_job_by_its_components_a_forgotten_jo
         assert scheduler_states(["987654"]) == {}  # squeue exits 1 for it ("Invalid job id"): none, not a failure
     finally:
         slurm_cluster.run(["scancel", str(het), str(plain)], check=False)
+
+
+def test_a_scale_out_job_is_kept_while_squeue_fails_and_cancelled_when_the_run_ends(slurm_cluster, tmp_path,
+                                                                                     monkeypatch, capsys):
+    supervisor = supervisor_of(tmp_path)
+    monkeypatch.setattr(scale_jobs, "STATE_EVERY_S", 0.0)  # ask Slurm at every poll
+    ScaleJobRequests(supervisor.run).submit("s1", 1)
+    supervisor.poll()
+    job_id = job_record(supervisor, "s1")["job_id"]
+    assert slurm_cluster.wait_for_state(int(job_id), ("RUNNING",)) == "RUNNING"
+
+    monkeypatch.setenv("PATH", f"{squeue_failing(tmp_path, times=3)}{os.pathsep}{os.environ['PATH']}")
+    for _ in range(3):  # the controller does not answer
+        supervisor.poll()
+        assert "ended" not in job_record(supervisor, "s1")
+        assert supervisor.jobs == {"s1": job_id}
+    supervisor.poll()  # it answers again: the job runs
+    assert supervisor.jobs == {"s1": job_id} and "ended" not in job_record(supervisor, "s1")
+    err = capsys.readouterr().err
+    assert err.count("cannot ask Slurm about the scale-out jobs") == 1 and TIMED_OUT in err  # one line, not three
+
+    supervisor.cancel_all()  # the run ends: its scale-out job with it
+    assert slurm_cluster.wait_for_state(int(job_id), ("CANCELLED",)) == "CANCELLED"
+    assert job_record(supervisor, "s1")["ended"] == "cancelled"
+    # A job Slurm reports gone is marked ended (here: cancelled by hand, outside the run).
+    ScaleJobRequests(supervisor.run).submit("s2", 1)
+    supervisor.poll()
+    second = job_record(supervisor, "s2")["job_id"]
+    slurm_cluster.run(["scancel", second])
+    slurm_cluster.wait_for_state(int(second), ("CANCELLED",))
+    supervisor.poll()
+    assert supervisor.jobs == {} and job_record(supervisor, "s2")["ended"] == f"slurm job {second} cancelled"
+
