@@ -2,13 +2,15 @@
 
     python -m relax_core.cluster.node RUN_DIR --group rollout --index 2 --head-address 10.0.0.5:12000
 
-runs (replacing itself with) `ray start --block` for this node: explicit
+runs `ray start --block` for this node, as its child: explicit
 ports of a block it leases on this machine (the head: the block the batch step
 leased for it, `--port-block`), a short node-local temp dir, explicit CPU/GPU
 counts, the group's custom resource (`relax_train` / `relax_rollout` /
 `relax_reference`) plus one that names the node, the node's address (never
 loopback in a multi-node job: cluster/address.py), and the run's token. The
-batch step starts the head with the same function.
+batch step starts the head with the same function. When Ray ends, or the
+step is stopped (SIGTERM, passed on to Ray), Ray's own logs are copied into
+`<run>/logs/ray/<node>/` (cluster/ray_logs.py).
 
 Before Ray starts, the node raises its soft open-file limit to what Ray
 recommends (or the hard limit) and, where InfiniBand devices exist, its soft
@@ -40,6 +42,7 @@ from pathlib import Path
 from relax_core.cluster.address import NodeAddress, pick_address
 from relax_core.cluster.local_ray import token_env
 from relax_core.cluster.ports import NodePorts, block_ports, lease_ports
+from relax_core.cluster.ray_logs import run_ray_node
 from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.launch.rundir import RunDir
 
@@ -112,12 +115,17 @@ def transfer_queue_cpus(recipe: Recipe, group: str, head: bool) -> int:
     return 2 if head else 1
 
 
+def ray_temp_dir(job_id: int, index: int) -> Path:
+    """The node's Ray temp dir: short (Unix socket paths are limited to 107 bytes), node-local."""
+    return Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir())) / f"rx{os.getuid()}-{job_id}-{index}"
+
+
 def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, name: str, address: str,
                       job_id: int, head_address: str | None, ports: NodePorts,
                       scale_op: str | None = None) -> list[str]:
     nodes = getattr(recipe.cluster, group)
     queue_cpus = 0 if scale_op else transfer_queue_cpus(recipe, group, head_address is None)
-    temp_dir = Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir())) / f"rx{os.getuid()}-{job_id}-{index}"
+    temp_dir = ray_temp_dir(job_id, index)
     # `python -m`, not the `ray` script: in a venv over system packages (common with HPC modules) the
     # script is not next to the interpreter. `ray_compat` is `ray start` without a dashboard process.
     command = [sys.executable, "-m", "relax_core.cluster.ray_compat", "start", "--block", "--disable-usage-stats",
@@ -161,7 +169,7 @@ def node_ports(args: argparse.Namespace, job_id: int) -> NodePorts:
     if args.port_block is not None:
         return block_ports(args.port_block)
     lease = lease_ports(job_id, args.index)
-    lease.keep_across_exec()  # `ray start --block` holds the lock from here on
+    lease.keep_across_exec()  # `ray start --block` holds the lock too, as long as it runs
     return lease.ports
 
 
@@ -189,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
                                 ports=node_ports(args, job_id), scale_op=args.scale_op)
     role = f"{args.group}, scale-out {args.scale_op}" if args.scale_op else args.group
     print(f"relax node {name} ({role}, index {args.index}, {address}): {' '.join(command)}", flush=True)
-    os.execve(command[0], command, node_env(recipe, run, args.group, picked))
+    env = node_env(recipe, run, args.group, picked)
+    sys.exit(run_ray_node(command, env, ray_temp_dir(job_id, args.index), run.logs / "ray" / name))
 
 
 if __name__ == "__main__":
