@@ -65,7 +65,7 @@ def node_resource(name: str) -> str:
 
 
 def multi_node(recipe: Recipe) -> bool:
-    """Whether the job has more than one node (scale-out jobs add nodes to one later)."""
+    """Whether the recipe's job has more than one node (a scale-out's nodes join a head: always more than one)."""
     return sum(getattr(recipe.cluster, group).nodes for group in ("train", "rollout", "reference")) > 1
 
 
