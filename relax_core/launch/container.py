@@ -307,6 +307,21 @@ _PROBE = ("import ctypes.util, importlib.metadata as m; print(m.version('relax-r
           "print(ctypes.util.find_library('ibverbs') or '')")
 
 
+def probe_image(image: str) -> tuple[str, str | None] | str:
+    """(the image's Relax version, its libibverbs or None), from one `apptainer exec` on this machine; or
+    why that failed."""
+    probe = [*apptainer_command(), "exec", "--cleanenv", image_ref(image), "python3", "-c", _PROBE]
+    try:
+        proc = subprocess.run(probe, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`{shlex.join(probe[:-2])}` could not run here ({exc})"
+    lines = [line.strip() for line in proc.stdout.splitlines()[-2:]]
+    if proc.returncode != 0 or len(lines) != 2:
+        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"`{shlex.join(probe[:-2])}` failed here (exit {proc.returncode}: {detail})"
+    return lines[0], lines[1] or None
+
+
 def image_match_problems(image: str, field: str) -> list[str]:
     """On the login node, at submit: the image's Relax must be this machine's (the batch step runs this
     one, the steps the image's). Warns (logging) when that cannot be checked here, and when this machine
@@ -320,27 +335,19 @@ def image_match_problems(image: str, field: str) -> list[str]:
                     "libraries were not checked (`relax doctor --slurm` checks them on a compute node)",
                     field, command[0])
         return []
-    probe = [*command, "exec", "--cleanenv", _expand(image), "python3", "-c", _PROBE]
-    try:
-        proc = subprocess.run(probe, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("%s: could not run the image here to check its Relax version (%s)", field, exc)
-        return []
-    lines = proc.stdout.splitlines()[-2:]
-    if proc.returncode != 0 or len(lines) != 2:
-        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        log.warning("%s: `%s` failed here (exit %s: %s); the image's Relax version was not checked",
-                    field, shlex.join(probe[:-2]), proc.returncode, detail)
+    probe = probe_image(image)
+    if isinstance(probe, str):
+        log.warning("%s: %s; the image's Relax version was not checked", field, probe)
         return []
     from importlib.metadata import version
 
-    inside, ours = lines[0].strip(), version("relax-rl")
+    (inside, ibverbs), ours = probe, version("relax-rl")
     problems = [] if inside == ours else [
         f"{field}: the image has Relax {inside}, this machine Relax {ours}; the job's batch step runs this one "
         "and its steps the image's, which must match: rebuild the image from this checkout (docker/Dockerfile, "
         f"then apptainer/relax.def), or install Relax {inside} here (pip install relax-rl=={inside})"]
     devices = sorted(d.name for d in INFINIBAND.iterdir()) if INFINIBAND.is_dir() else []
-    if devices and not lines[1].strip():
+    if devices and not ibverbs:
         log.warning("%s: this machine has InfiniBand devices (%s) but the image has no libibverbs (rdma-core): "
                     "NCCL would fall back to TCP sockets without a word. Rebuild the image with apptainer/relax.def "
                     "(it installs rdma-core), or bind the host's libibverbs and its providers "
