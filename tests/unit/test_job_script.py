@@ -85,7 +85,7 @@ def test_container_wraps_every_step_but_not_the_supervisor():
     command = steps.step_command("rollout", "g2", "ray-g2", ["relax_core.cluster.node", str(RUN.path)])
     assert command[:6] == ["srun", "--het-group=1", "--nodes=1", "--ntasks=1", "--nodelist=g2", "--overlap"]
     inner = command[command.index("apptainer"):]
-    assert inner[:3] == ["apptainer", "exec", "--nv"]
+    assert inner[:4] == ["apptainer", "exec", "--cleanenv", "--nv"]
     assert inner[inner.index("/scratch/images/relax.sif") + 1:] == [
         "python3", "-m", "relax_core.cluster.node", str(RUN.path)]
     binds = [inner[i + 1] for i, arg in enumerate(inner) if arg == "--bind"]
