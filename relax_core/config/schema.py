@@ -475,20 +475,53 @@ class NodeGroup(Section):
     """CPU cores per node."""
     mem: str | None = Field(None, pattern=r"^\d+[KMGT]?$")
     """Memory per node as Slurm writes it (e.g. `480G`); the partition default if unset."""
+    gpu_type: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """GPU model as the site's Slurm names it (the type in `sinfo -o %G`'s `gpu:a100:8` is `a100`): the job
+    asks for `--gres=gpu:<gpu_type>:<gpus_per_node>` on each node. Any model when unset (`--gres=gpu:N`)."""
+    partition: str | None = None
+    """This group's partition; `cluster.slurm.partition` when unset (e.g. rollout nodes in another partition)."""
+    account: str | None = None
+    """This group's account; `cluster.slurm.account` when unset."""
+    qos: str | None = None
+    """This group's quality of service; `cluster.slurm.qos` when unset."""
+    constraint: str | None = None
+    """This group's node features; `cluster.slurm.constraint` when unset."""
     env: dict[str, str] = Field(default_factory=dict)
     """Environment variables set for this group's processes (e.g. NCCL settings of a partition)."""
+
+    @model_validator(mode="after")
+    def _gpu_type_needs_gpus(self) -> NodeGroup:
+        if self.gpu_type and not self.gpus_per_node:
+            raise ValueError(f"gpu_type is {self.gpu_type} but gpus_per_node is 0: set gpus_per_node, "
+                             "or drop gpu_type")
+        return self
 
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    def placement(self, slurm: SlurmConfig) -> dict[str, str | None]:
+        """Partition, account, QOS and constraint of this group: its own, else `cluster.slurm`'s."""
+        return {name: getattr(self, name) or getattr(slurm, name) for name in PLACEMENT}
+
+    def shape(self, slurm: SlurmConfig) -> dict[str, object]:
+        """What Slurm is asked for on each of this group's nodes (groups of one shape fit one plain job)."""
+        return {"cpus_per_node": self.cpus_per_node, "gpus_per_node": self.gpus_per_node,
+                "gpu_type": self.gpu_type, "mem": self.mem} | self.placement(slurm)
+
+
+# The Slurm settings a node group may set for itself (each defaults to cluster.slurm's).
+PLACEMENT = ("partition", "account", "qos", "constraint")
+
 
 # Slurm accepts MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM and D-HH:MM:SS.
 _SLURM_TIME = re.compile(r"^\d+(:\d{2}){0,2}$|^\d+-\d+(:\d{2}){0,2}$")
+# sbatch's GPU requests: --gres, --gpus, --gpus-per-node/-task/-socket, -G.
+_GPU_OPTION = re.compile(r"^(--gres(?!-flags)|--gpus|-G)")
 
 
 class SlurmConfig(Section):
-    """Slurm options, applied to every het component of the job."""
+    """Slurm options of the job (a node group's partition, account, qos and constraint override these)."""
 
     partition: str | None = None
     """Partition (`-p`)."""
@@ -500,8 +533,16 @@ class SlurmConfig(Section):
     """Wall-time limit, Slurm format (`HH:MM:SS`, `D-HH:MM:SS`, or minutes)."""
     constraint: str | None = None
     """Node features (`-C`)."""
+    layout: Literal["auto", "het", "single"] = "auto"
+    """How the node groups become one Slurm job. `single`: one plain job of all the groups' nodes
+    (`--nodes=N+M`), split by node list: train's nodes first, then rollout's, then reference's; it needs every
+    group to ask for the same node shape (cpus_per_node, gpus_per_node, gpu_type, mem, partition, account,
+    qos, constraint). `het`: a heterogeneous job, one component per group (each may differ; site policies
+    and submit filters then apply to each component). `auto`: `single` when the shapes are the same, else
+    `het`."""
     extra_sbatch: list[str] = Field(default_factory=list)
-    """Extra `#SBATCH` option lines, e.g. `--exclusive`."""
+    """Extra `#SBATCH` option lines, e.g. `--exclusive` (on every component); GPUs are asked for by
+    `cluster.<group>.gpus_per_node` and `gpu_type`, never here."""
     setup: list[str] = Field(default_factory=list)
     """Shell lines run before anything starts (module load, environment activation)."""
     signal_before_end_s: int = Field(300, ge=30)
@@ -514,6 +555,16 @@ class SlurmConfig(Section):
     def _time_format(cls, value: str) -> str:
         if not _SLURM_TIME.match(value):
             raise ValueError(f"'{value}' is not a Slurm time (use HH:MM:SS, D-HH:MM:SS or minutes)")
+        return value
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _no_gpu_options(cls, value: list[str]) -> list[str]:
+        for line in value:
+            if _GPU_OPTION.match(line.strip()):
+                raise ValueError(f"'{line}': Relax writes each group's GPU request itself (--gres=gpu:TYPE:N): "
+                                 "set cluster.<group>.gpus_per_node and cluster.<group>.gpu_type (group: train, "
+                                 "rollout, reference) instead")
         return value
 
 
@@ -584,6 +635,27 @@ class ClusterConfig(Section):
     def groups(self) -> list[str]:
         """The node groups that have nodes, in het-group order: the job's het group i is `groups[i]`."""
         return [name for name in ("train", "rollout", "reference") if getattr(self, name).nodes]
+
+    @property
+    def heterogeneous(self) -> bool:
+        """A heterogeneous Slurm job (one component per group), not one plain job (`cluster.slurm.layout`)."""
+        return len(self.groups) > 1 and (self.slurm.layout == "het" or bool(self.shape_differences()))
+
+    def shape_differences(self) -> list[str]:
+        """Where the groups' node shapes differ, as `cluster.<group>.<field>` is X but ... is Y."""
+        first, *others = self.groups or ["train"]
+        shape = getattr(self, first).shape(self.slurm)
+        return [f"cluster.{name}.{key} is {value} but cluster.{first}.{key} is {shape[key]}"
+                for name in others for key, value in getattr(self, name).shape(self.slurm).items()
+                if value != shape[key]]
+
+    @model_validator(mode="after")
+    def _single_needs_one_shape(self) -> ClusterConfig:
+        if self.slurm.layout == "single" and self.shape_differences():
+            raise ValueError("slurm.layout is single (one plain job), but the node groups ask for different nodes: "
+                             f"{'; '.join(self.shape_differences())}; make them the same, or set "
+                             "cluster.slurm.layout to auto or het (a heterogeneous job)")
+        return self
 
 
 # ------------------------------------------------------ checkpoint, logging

@@ -343,8 +343,13 @@ def plan_lines(recipe: Recipe, executor: str, python: str | None = None, run_dir
         python: the interpreter the command lines name (default: this one).
         run_dir: the run directory, when known (else `<run-dir>`).
     """
-    where = ("every node group on this machine" if executor == "local"
-             else "het group " + ", ".join(f"{i}: {name}" for i, name in enumerate(recipe.cluster.groups)))
+    cluster = recipe.cluster
+    if executor == "local":
+        where = "every node group on this machine"
+    elif cluster.heterogeneous or len(cluster.groups) == 1:
+        where = "het group " + ", ".join(f"{i}: {name}" for i, name in enumerate(cluster.groups))
+    else:  # cluster.slurm.layout: one plain job, split by node list
+        where = "one job, its nodes in order: " + ", ".join(f"{getattr(cluster, g).nodes} {g}" for g in cluster.groups)
     lines = [f"plan: {recipe.mode} on the {executor} executor ({where})"]
     lines += [f"  {line}" for line in _group_lines(recipe)]
     planner = _Planner(recipe, executor)

@@ -1,10 +1,15 @@
-"""The Slurm executor: render the heterogeneous job script, check it, submit it, query it.
+"""The Slurm executor: render the job script, check it, submit it, query it.
+
+When the node groups ask for different nodes (`cluster.slurm.layout`: het, or auto with different shapes),
+the job is heterogeneous, one component per group:
 
     het group 0: training nodes   (node 0 runs the batch step: Ray head + driver)
     het group 1: rollout nodes    (only when cluster.rollout.nodes > 0)
     het group 2: reference nodes  (only when cluster.reference.nodes > 0; fully_async, so after rollout)
 
-Het group i is `recipe.cluster.groups[i]`, here and in the batch step.
+Het group i is `recipe.cluster.groups[i]`, here and in the batch step. When they
+ask for the same nodes (layout single, or auto), it is one plain job of all
+their nodes, which the batch step splits in that order (train's first).
 
 Every value that reaches the script is computed and quoted here; the
 template (`templates/job.sbatch.j2`) only lays the lines out. What runs on
@@ -14,6 +19,7 @@ Light imports only: this runs on the login node.
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -34,7 +40,7 @@ SCRIPT_NAME = "job.sbatch"
 
 @dataclass
 class Component:
-    role: str
+    title: str  # the script's comment above its options
     options: list[str]
 
 
@@ -42,15 +48,23 @@ def sbatch_option(flag: str, value: object) -> str:
     return f"{flag}={shlex.quote(str(value))}"
 
 
-def component_options(recipe: Recipe, group: NodeGroup) -> list[str]:
-    """`#SBATCH` options of one het component."""
+def gpu_gres(group: NodeGroup) -> str:
+    """The group's GPUs per node as a generic resource, `gpu:N` or `gpu:TYPE:N` (what every select plugin
+    takes, unlike `--gpus-per-node`, which select/cons_res and select/linear refuse)."""
+    return ":".join(["gpu", *([group.gpu_type] if group.gpu_type else []), str(group.gpus_per_node)])
+
+
+def component_options(recipe: Recipe, group: NodeGroup, nodes: int | None = None) -> list[str]:
+    """`#SBATCH` options of one job component: `nodes` (default: the group's) nodes of the group's shape."""
     slurm = recipe.cluster.slurm
-    options = [sbatch_option("--nodes", group.nodes), "--ntasks-per-node=1",
+    options = [sbatch_option("--nodes", nodes or group.nodes), "--ntasks-per-node=1",
                sbatch_option("--cpus-per-task", group.cpus_per_node)]
     if group.gpus_per_node:
-        options.append(sbatch_option("--gpus-per-node", group.gpus_per_node))
-    for flag, value in (("--mem", group.mem), ("--partition", slurm.partition), ("--account", slurm.account),
-                        ("--qos", slurm.qos), ("--constraint", slurm.constraint)):
+        options.append(sbatch_option("--gres", gpu_gres(group)))
+    placement = group.placement(slurm)
+    for flag, value in (("--mem", group.mem), ("--partition", placement["partition"]),
+                        ("--account", placement["account"]), ("--qos", placement["qos"]),
+                        ("--constraint", placement["constraint"])):
         if value:
             options.append(sbatch_option(flag, value))
     options.append(sbatch_option("--time", slurm.time))
@@ -74,11 +88,21 @@ ROLES = {"train": "training", "rollout": "rollout", "reference": "reference"}
 
 
 def components(recipe: Recipe, run: RunDir) -> list[Component]:
-    """One het component per node group, in het-group order; the job-wide options go on the first."""
-    groups = [Component(ROLES[group], component_options(recipe, getattr(recipe.cluster, group)))
-              for group in recipe.cluster.groups]
-    groups[0].options[:0] = job_options(recipe, run)
-    return groups
+    """The job's components: one per node group in het-group order, or one plain job of every group's nodes
+    (same shape); the job-wide options go on the first."""
+    cluster = recipe.cluster
+    groups = [getattr(cluster, name) for name in cluster.groups]
+    if cluster.heterogeneous:
+        parts = [Component(f"het group {i}: {ROLES[name]} nodes", component_options(recipe, group))
+                 for i, (name, group) in enumerate(zip(cluster.groups, groups))]
+    elif len(groups) == 1:
+        parts = [Component(f"{ROLES[cluster.groups[0]]} nodes", component_options(recipe, groups[0]))]
+    else:
+        split = ", then ".join(f"{group.nodes} {ROLES[name]}" for name, group in zip(cluster.groups, groups))
+        parts = [Component(f"one job, its nodes in order: {split}",
+                           component_options(recipe, groups[0], sum(group.nodes for group in groups)))]
+    parts[0].options[:0] = job_options(recipe, run)
+    return parts
 
 
 def launcher_argv(run: RunDir, python: str | None = None) -> list[str]:
@@ -113,17 +137,19 @@ def _sbatch(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     return subprocess.run(["sbatch", *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def test_only(script: Path) -> None:
+def test_only(script: Path, recipe: Recipe | None = None) -> None:
     """Ask Slurm whether it could ever run this job; raise `RecipeError` if not."""
     proc = _sbatch("--test-only", str(script))
     if proc.returncode != 0:
-        raise RecipeError(explain_sbatch_error(proc.stderr.strip(), script))
+        raise RecipeError(explain_sbatch_error(proc.stderr.strip(), script, recipe))
 
 
-def explain_sbatch_error(stderr: str, script: Path) -> str:
+def explain_sbatch_error(stderr: str, script: Path, recipe: Recipe | None = None) -> str:
+    """Slurm's refusal with the recipe field to change: for GPUs, what the group's partition has instead."""
     text = stderr.lower()
     hints = [
-        ("invalid partition", "cluster.slurm.partition: Slurm has no such partition (sinfo -s lists them)"),
+        ("invalid partition", "cluster.slurm.partition (or cluster.<group>.partition): Slurm has no such "
+                              "partition (sinfo -s lists them)"),
         ("node configuration is not available",
          "cluster.train / cluster.rollout / cluster.reference: more nodes, GPUs, CPUs or memory than the "
          "partition has"),
@@ -131,19 +157,68 @@ def explain_sbatch_error(stderr: str, script: Path) -> str:
          "cluster.train.nodes / cluster.rollout.nodes / cluster.reference.nodes: more nodes than the partition has"),
         ("invalid generic resource",
          "cluster.train.gpus_per_node / cluster.rollout.gpus_per_node / cluster.reference.gpus_per_node: "
-         "the partition has no GPUs (gres)"),
-        ("invalid account", "cluster.slurm.account: Slurm does not know this account"),
-        ("invalid qos", "cluster.slurm.qos: Slurm does not know this QOS"),
+         "Slurm has no GPUs as generic resources (gres) here"),
+        ("invalid account", "cluster.slurm.account (or cluster.<group>.account): Slurm does not know this account"),
+        ("invalid qos", "cluster.slurm.qos (or cluster.<group>.qos): Slurm does not know this QOS"),
         ("time limit", "cluster.slurm.time: longer than the partition allows"),
     ]
     hint = next((h for key, h in hints if key in text), "see the job script")
+    if recipe is not None and ("node configuration is not available" in text or "generic resource" in text):
+        hint = "\n  ".join(gpu_problems(recipe)) or hint
     return f"Slurm would not run {script}: {stderr}\n  {hint}"
 
 
-def submit_script(script: Path, env: dict[str, str] | None = None) -> str:
+def gpu_problems(recipe: Recipe) -> list[str]:
+    """What each GPU group asks for that its partition's nodes lack (their gres, `sinfo -o %G`)."""
+    cluster, problems = recipe.cluster, []
+    default, offered = partition_gpus()
+    for name in cluster.groups:
+        group = getattr(cluster, name)
+        partition = group.placement(cluster.slurm)["partition"] or default
+        if not group.gpus_per_node or partition not in offered:
+            continue
+        where, gpus = f"partition {partition}", offered[partition]
+        types = sorted(t for t in gpus if t)
+        if not gpus:
+            problems.append(f"cluster.{name}.gpus_per_node: {where} has no GPUs (no gpu gres on its nodes); set "
+                            f"cluster.{name}.partition to a partition with GPUs (sinfo -o '%P %G' lists them)")
+        elif group.gpu_type and group.gpu_type not in gpus:
+            have = f"its GPU types are {', '.join(types)}" if types else "its GPUs have no type: drop gpu_type"
+            problems.append(f"cluster.{name}.gpu_type: {where} has no GPUs of type {group.gpu_type}; {have}")
+        elif group.gpus_per_node > gpus.get(group.gpu_type or "", 0):
+            kind = f" of type {group.gpu_type}" if group.gpu_type else ""
+            problems.append(f"cluster.{name}.gpus_per_node: {group.gpus_per_node}, but a node of {where} has at "
+                            f"most {gpus.get(group.gpu_type or '', 0)} GPUs{kind}")
+    return problems
+
+
+def partition_gpus() -> tuple[str | None, dict[str, dict[str, int]]]:
+    """The default partition, and per partition the most GPUs one of its nodes has of each type ("": of any
+    type), from `sinfo`; (None, {}) when sinfo fails."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%P|%G"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None, {}
+    default, found = None, {}
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        partition, _, gres = line.strip().partition("|")
+        name = partition.rstrip("*")
+        default = name if partition.endswith("*") else default
+        gpus = found.setdefault(name, {})
+        for entry in re.sub(r"\([^)]*\)", "", gres).split(","):  # gpu:a100:4(S:0-1),gpu:v100:2,...
+            parts = entry.split(":")
+            if parts[0] != "gpu" or not parts[-1].isdigit():
+                continue
+            kind, count = (parts[1] if len(parts) == 3 else ""), int(parts[-1])
+            for key in {kind, ""}:  # an untyped request takes GPUs of any type
+                gpus[key] = max(gpus.get(key, 0), count)
+    return default, found
+
+
+def submit_script(script: Path, env: dict[str, str] | None = None, recipe: Recipe | None = None) -> str:
     proc = _sbatch("--parsable", str(script), env=env)
     if proc.returncode != 0:
-        raise RecipeError(explain_sbatch_error(proc.stderr.strip(), script))
+        raise RecipeError(explain_sbatch_error(proc.stderr.strip(), script, recipe))
     return proc.stdout.strip().split(";")[0]
 
 
@@ -242,7 +317,7 @@ class SlurmExecutor(Executor):
         with tempfile.TemporaryDirectory(prefix="relax-check-") as folder:
             path = Path(folder) / SCRIPT_NAME
             path.write_text(script)
-            test_only(path)
+            test_only(path, sub.recipe)
         sub.job_script = script
 
     def launch(self, sub, console) -> Launched:
@@ -252,7 +327,7 @@ class SlurmExecutor(Executor):
 
         record(sub)
         token_env(sub.run)
-        job_id = submit_script(sub.run.path / SCRIPT_NAME)
+        job_id = submit_script(sub.run.path / SCRIPT_NAME, recipe=sub.recipe)
         sub.run.update_state(job_id=job_id)
         return Launched("submitted", f"submitted Slurm job {job_id}; follow it with: relax status {sub.run.path}")
 

@@ -68,7 +68,7 @@ def test_the_refusal_exits_2_naming_the_field(tmp_path):
 
 
 def test_no_reference_group_by_default():
-    recipe = load_recipe(QUICKSTART, ["mode=fully_async", "algorithm.kl.coef=0.01"])
+    recipe = load_recipe(QUICKSTART, ["mode=fully_async", "algorithm.kl.coef=0.01", "cluster.slurm.layout=het"])
     assert recipe.cluster.reference.nodes == 0 and recipe.cluster.groups == ["train", "rollout"]
     assert REFERENCE_RESOURCE not in local_slots(recipe)
     assert len(sbatch_components(render_job_script(recipe, RUN, python="python3"))) == 2
