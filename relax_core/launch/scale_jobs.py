@@ -15,14 +15,23 @@ Each file is written whole (a temporary file renamed into place).
 
 A scale-out job has one node per engine group (as many engines as one node of
 the engines' group holds), the engines' group's shape (CPUs, GPUs, memory),
-the run's partition, account, QOS, constraint, time limit and container, and
-no requeue: the run re-requests its engines when it resumes.
+the run's partition, account, QOS, constraint and container, and no requeue:
+the run re-requests its engines when it resumes. It asks for the time the
+run's own job has left (`--time`, whole minutes; the run ends its engines with
+it anyway), and with `--time-min` for the least worth having, so that backfill
+may start it sooner with a shorter limit: `cluster.slurm.signal_before_end_s`
+(its engines leave then) plus `MIN_SERVING_S` of serving. When the run's job
+has less than that left, nothing is submitted and the operation fails saying
+so. The time left is squeue's for the run's job (`%L`, which follows a limit
+changed meanwhile), else `SLURM_JOB_END_TIME`; with neither (no limit), the
+recipe's `cluster.slurm.time`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shlex
 import subprocess
@@ -38,6 +47,7 @@ log = logging.getLogger(__name__)
 FOLDER = "scale"
 STATE_EVERY_S = 3.0  # how often the supervisor asks Slurm about its scale-out jobs
 WARN_EVERY_S = 300.0  # while squeue fails, how often the job's log says so again
+MIN_SERVING_S = 600  # the least a scale-out job's engines should serve before its time limit's USR1
 
 
 def _folder(run: RunDir) -> Path:
@@ -80,18 +90,62 @@ class ScaleJobRequests:
         return (self.folder / f"{op_id}.ending").exists()
 
 
-def scale_job_options(recipe: Recipe, run: RunDir, op_id: str, nodes: int) -> list[str]:
-    """`#SBATCH` options of scale-out `op_id`'s job: `nodes` nodes shaped as the engines' group."""
+def scale_job_options(recipe: Recipe, run: RunDir, op_id: str, nodes: int,
+                      time_left_s: float | None = None) -> list[str]:
+    """`#SBATCH` options of scale-out `op_id`'s job: `nodes` nodes shaped as the engines' group, for
+    `time_left_s` (what the run's job has left; None: the recipe's `cluster.slurm.time`)."""
     from relax_core.launch.slurm import component_options, sbatch_option
 
     group = getattr(recipe.cluster, rollout_group_name(recipe)).model_copy(update={"nodes": nodes})
     signal = f"B:USR1@{recipe.cluster.slurm.signal_before_end_s}"
+    options = component_options(recipe, group)
+    if time_left_s is not None:
+        minutes = int(time_left_s // 60)
+        least = min(minutes, math.ceil(least_time_s(recipe) / 60))
+        options = [o for o in options if not o.startswith("--time=")]
+        options += [sbatch_option("--time", minutes), sbatch_option("--time-min", least)]
     return [sbatch_option("--job-name", f"relax-{recipe.name}-{op_id}"),
             sbatch_option("--output", run.logs / "slurm-%j.out"), "--open-mode=append",
-            sbatch_option("--signal", signal), "--no-requeue", *component_options(recipe, group)]
+            sbatch_option("--signal", signal), "--no-requeue", *options]
 
 
-def render_scale_script(recipe: Recipe, run: RunDir, op_id: str, nodes: int, python: str | None = None) -> str:
+def least_time_s(recipe: Recipe) -> int:
+    """The shortest time limit a scale-out job is worth having (its `--time-min`)."""
+    return recipe.cluster.slurm.signal_before_end_s + MIN_SERVING_S
+
+
+def slurm_duration_s(text: str) -> float | None:
+    """Seconds in squeue's `[D-][HH:]MM:SS`; None for `UNLIMITED`, `NOT_SET` or anything else."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if not (days or "0").isdigit() or not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return int(days or 0) * 86400 + seconds
+
+
+def run_time_left_s() -> float | None:
+    """Seconds until the run's own job (this batch step's, SLURM_JOB_ID) reaches its time limit: squeue's
+    `%L` for it, else SLURM_JOB_END_TIME; None when neither says (no limit, or not inside a job)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if job:
+        try:
+            proc = subprocess.run(["squeue", "-h", "-j", job, "-o", "%i|%L"], capture_output=True, text=True,
+                                  timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            proc = None
+        for line in proc.stdout.splitlines() if proc is not None and proc.returncode == 0 else []:
+            component, _, left = line.partition("|")
+            if component in (job, f"{job}+0"):
+                return slurm_duration_s(left)
+    end = os.environ.get("SLURM_JOB_END_TIME", "")
+    return int(end) - time.time() if end.isdigit() else None
+
+
+def render_scale_script(recipe: Recipe, run: RunDir, op_id: str, nodes: int, python: str | None = None,
+                        time_left_s: float | None = None) -> str:
     import jinja2
 
     from relax_core.assets import asset_dir
@@ -101,7 +155,7 @@ def render_scale_script(recipe: Recipe, run: RunDir, op_id: str, nodes: int, pyt
                              keep_trailing_newline=True)
     launcher = [python or sys.executable, "-m", "relax_core.entrypoints.slurm_scale", str(run.path), "--op", op_id]
     return env.get_template("scale_rollout.sbatch.j2").render(
-        name=recipe.name, op=op_id, options=scale_job_options(recipe, run, op_id, nodes),
+        name=recipe.name, op=op_id, options=scale_job_options(recipe, run, op_id, nodes, time_left_s),
         setup=list(recipe.cluster.slurm.setup), run_dir=shlex.quote(str(run.path)), launcher=shlex.join(launcher))
 
 
@@ -145,9 +199,17 @@ class ScaleJobs:
         if not asked:
             return
         op_id, nodes = str(asked["op"]), int(asked["nodes"])
+        left = run_time_left_s()
+        if left is not None and left < least_time_s(self.recipe):
+            why = (f"the run's job ends in {max(left, 0) / 60:.0f} min, too soon for a scale-out job: it needs "
+                   f"{least_time_s(self.recipe) / 60:.0f} min (cluster.slurm.signal_before_end_s plus "
+                   f"{MIN_SERVING_S // 60} min of serving); nothing submitted")
+            _write(self.folder / f"{op_id}.job.json", {"error": why})
+            print(f"relax: scale-out {op_id}: {why}", file=sys.stderr, flush=True)
+            return
         script = self.folder / f"{op_id}.sbatch"
         try:
-            script.write_text(render_scale_script(self.recipe, self.run, op_id, nodes))
+            script.write_text(render_scale_script(self.recipe, self.run, op_id, nodes, time_left_s=left))
             job_id = submit_script(script, env=outside_this_job())
         except Exception as exc:  # Slurm's refusal, named for the user
             _write(self.folder / f"{op_id}.job.json", {"error": f"sbatch refused the scale-out job: {exc}"})

@@ -18,7 +18,7 @@ from pathlib import Path
 from relax_core.config import load_recipe
 from relax_core.launch import scale_jobs
 from relax_core.launch.rundir import RunDir
-from relax_core.launch.scale_jobs import ScaleJobRequests, ScaleJobs
+from relax_core.launch.scale_jobs import ScaleJobRequests, ScaleJobs, slurm_duration_s
 from relax_core.launch.slurm import scheduler_states
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,3 +106,34 @@ def test_a_scale_out_job_is_kept_while_squeue_fails_and_cancelled_when_the_run_e
     supervisor.poll()
     assert supervisor.jobs == {} and job_record(supervisor, "s2")["ended"] == f"slurm job {second} cancelled"
 
+
+
+def test_a_scale_out_job_asks_for_what_the_runs_job_has_left_and_backfill_may_start_it_sooner(
+        slurm_cluster, tmp_path, monkeypatch, capsys):
+    supervisor = supervisor_of(tmp_path)  # signal_before_end_s 300: at least 5 + 10 min are worth a job
+    run_job = slurm_cluster.submit(SLEEPING, "--time=20")  # the run's own job, with 20 minutes
+    soon_over = slurm_cluster.submit(SLEEPING, "--time=12")  # a run's job with 12 minutes: too little
+    try:
+        slurm_cluster.wait_for_state(run_job, ("RUNNING",))
+        monkeypatch.setenv("SLURM_JOB_ID", str(run_job))  # the supervisor runs in the run's batch step
+        left = slurm_duration_s(slurm_cluster.run(["squeue", "-h", "-j", str(run_job), "-o", "%L"]).stdout)
+        ScaleJobRequests(supervisor.run).submit("s1", 1)
+        supervisor.poll()
+        job = slurm_cluster.job_info(int(job_record(supervisor, "s1")["job_id"]))
+        limit = slurm_duration_s(job["TimeLimit"])
+        assert left - 60 <= limit <= left <= 20 * 60 and limit % 60 == 0  # what is left, in whole minutes
+        assert job["TimeMin"] == "00:15:00"
+        supervisor.cancel_all()
+
+        slurm_cluster.wait_for_state(soon_over, ("RUNNING",))
+        monkeypatch.setenv("SLURM_JOB_ID", str(soon_over))
+        ScaleJobRequests(supervisor.run).submit("s2", 1)
+        supervisor.poll()
+        error = job_record(supervisor, "s2")["error"]
+        assert "ends in 12 min" in error and "needs 15 min" in error and "nothing submitted" in error
+        assert supervisor.jobs == {} and not (supervisor.folder / "s2.sbatch").exists()
+        assert f"relax: scale-out s2: {error}" in capsys.readouterr().err  # in the run's log: the batch step's
+        names = slurm_cluster.run(["squeue", "-h", "-o", "%j"]).stdout.split()
+        assert f"relax-{supervisor.recipe.name}-s2" not in names
+    finally:
+        slurm_cluster.run(["scancel", str(run_job), str(soon_over)], check=False)
