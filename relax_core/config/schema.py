@@ -645,7 +645,7 @@ class ClusterConfig(Section):
         """Where the groups' node shapes differ, as `cluster.<group>.<field>` is X but ... is Y."""
         first, *others = self.groups or ["train"]
         shape = getattr(self, first).shape(self.slurm)
-        return [f"cluster.{name}.{key} is {value} but cluster.{first}.{key} is {shape[key]}"
+        return [f"cluster.{name}.{key} is {_unset(value)} but cluster.{first}.{key} is {_unset(shape[key])}"
                 for name in others for key, value in getattr(self, name).shape(self.slurm).items()
                 if value != shape[key]]
 
@@ -656,6 +656,10 @@ class ClusterConfig(Section):
                              f"{'; '.join(self.shape_differences())}; make them the same, or set "
                              "cluster.slurm.layout to auto or het (a heterogeneous job)")
         return self
+
+
+def _unset(value: object) -> object:
+    return "unset" if value is None else value
 
 
 # ------------------------------------------------------ checkpoint, logging

@@ -346,11 +346,15 @@ def plan_lines(recipe: Recipe, executor: str, python: str | None = None, run_dir
     cluster = recipe.cluster
     if executor == "local":
         where = "every node group on this machine"
-    elif cluster.heterogeneous or len(cluster.groups) == 1:
+    elif cluster.heterogeneous:
         where = "het group " + ", ".join(f"{i}: {name}" for i, name in enumerate(cluster.groups))
     else:  # cluster.slurm.layout: one plain job, split by node list
-        where = "one job, its nodes in order: " + ", ".join(f"{getattr(cluster, g).nodes} {g}" for g in cluster.groups)
+        nodes = sum(getattr(cluster, name).nodes for name in cluster.groups)
+        where = f"one job of {_nodes(nodes)}: " + ", then ".join(f"{getattr(cluster, name).nodes} {name}"
+                                                                 for name in cluster.groups)
     lines = [f"plan: {recipe.mode} on the {executor} executor ({where})"]
+    if executor != "local" and cluster.heterogeneous and cluster.slurm.layout == "auto":
+        lines.append(f"  a het job (cluster.slurm.layout auto), as {'; '.join(cluster.shape_differences())}")
     lines += [f"  {line}" for line in _group_lines(recipe)]
     planner = _Planner(recipe, executor)
     for row in planner.rows():

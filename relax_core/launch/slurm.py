@@ -99,8 +99,8 @@ def components(recipe: Recipe, run: RunDir) -> list[Component]:
         parts = [Component(f"{ROLES[cluster.groups[0]]} nodes", component_options(recipe, groups[0]))]
     else:
         split = ", then ".join(f"{group.nodes} {ROLES[name]}" for name, group in zip(cluster.groups, groups))
-        parts = [Component(f"one job, its nodes in order: {split}",
-                           component_options(recipe, groups[0], sum(group.nodes for group in groups)))]
+        nodes = sum(group.nodes for group in groups)
+        parts = [Component(f"one job of {nodes} nodes: {split}", component_options(recipe, groups[0], nodes))]
     parts[0].options[:0] = job_options(recipe, run)
     return parts
 

@@ -16,6 +16,7 @@ import pytest
 
 from relax_core.config import load_recipe
 from relax_core.errors import RecipeError
+from relax_core.launch.plan import plan_lines
 from relax_core.launch.rundir import RunDir
 from relax_core.launch.slurm import render_job_script
 
@@ -123,8 +124,17 @@ def test_groups_of_one_shape_are_one_plain_job_of_all_their_nodes():
     text = script("quickstart.yaml", "cluster.train.nodes=2", "cluster.rollout.nodes=3")
     (job,) = sbatch_components(text)
     assert "--nodes=5" in job and "#SBATCH hetjob" not in text
-    assert "# one job, its nodes in order: 2 training, then 3 rollout" in text
+    assert "# one job of 5 nodes: 2 training, then 3 rollout" in text
     assert len(sbatch_components(script("quickstart.yaml", "cluster.slurm.layout=het"))) == 2  # forced
+
+
+def test_the_plan_says_which_job_and_why_it_is_heterogeneous():
+    same = load_recipe(REPO / "recipes/quickstart.yaml")
+    assert "(one job of 2 nodes: 1 train, then 1 rollout)" in plan_lines(same, "slurm")[0]
+    differ = load_recipe(REPO / "recipes/quickstart.yaml", ["cluster.rollout.partition=other"])
+    header, reason = plan_lines(differ, "slurm")[:2]
+    assert header.endswith("(het group 0: train, 1: rollout)")
+    assert "cluster.rollout.partition is other but cluster.train.partition is unset" in reason
 
 
 @pytest.mark.parametrize("override", ["cluster.rollout.cpus_per_node=2", "cluster.rollout.mem=8G",
