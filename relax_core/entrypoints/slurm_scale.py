@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from relax_core.entrypoints.slurm_job import hostnames, srun_command, terminate
+from relax_core.entrypoints.slurm_steps import hostnames, srun_command, srun_env, terminate
 from relax_core.launch.rundir import RunDir
 from relax_core.launch.scale_jobs import FOLDER
 
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--head-address", head, "--scale-op", args.op]
             command = srun_command(recipe, run, group, node, f"ray-{node}", node_argv)
             with (run.logs / f"ray-{node}-{args.op}.log").open("ab") as out:
-                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                              env=srun_env()))
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         return 0

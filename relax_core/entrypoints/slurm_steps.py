@@ -1,0 +1,255 @@
+"""The `srun` steps of a Relax Slurm job, and how the batch step watches them (`slurm_job.py`).
+
+Every step states what it needs, so no site default and no Slurm version decides it:
+
+    a Ray node   --cpus-per-task=<group's cpus_per_node> --gres=gpu[:<type>]:<gpus_per_node> (or none) --mem=0
+    the driver   --cpus-per-task=1 --gres=none --mem=0
+
+all with `--overlap`, so the driver and the head's Ray node share node 0. Why each:
+`srun` does not read the job's SLURM_CPUS_PER_TASK on 22.05 and 23.02 (its man
+page: request it again with --cpus-per-task), so without it a Ray node gets the
+site's binding default, often 1 or 2 CPUs. Before 22.05 `--overlap` shares only
+CPUs and a step gets all of the job's GRES unless it says otherwise (srun(1):
+"--gres=none"), so the Ray head would hold node 0's GPUs and the driver's step
+would wait forever; `--gres=none` exists from 20.11 to 24.11. `--mem=0` is
+Slurm's special case for a step: all of the job's memory on the node, counted
+against nothing (step_mgr.c: SSF_MEM_ZERO "use all memory but do not count
+against the job's memory allocation"), so neither step can block the other on
+any version, and the memory the job inherited from sbatch (SLURM_MEM_PER_NODE)
+is not asked for twice. What sbatch leaves in the environment for the job's
+GPUs and memory is removed from srun's, so it adds nothing to what each step
+states (srun reads SLURM_GPUS_PER_NODE, SLURM_MEM_PER_CPU, ... as options).
+
+A step has started when Slurm lists it (`squeue --steps`); one that Slurm has
+not started within `cluster.slurm.startup_timeout_s` fails the job, naming the
+step, its node and what srun said ("step creation temporarily disabled").
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from relax_core.config.schema import NodeGroup, Recipe
+from relax_core.launch.rundir import RunDir
+
+# Variables sbatch sets for the job's resources that srun would read as options of every step.
+INHERITED_RESOURCES = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_SOCKET", "SLURM_GPUS_PER_TASK",
+                       "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "SLURM_MEM_PER_NODE",
+                       "SLURM_GRES", "SLURM_STEP_GRES", "SLURM_TRES_PER_TASK")
+DRIVER_RESOURCES = ["--cpus-per-task=1", "--gres=none", "--mem=0"]
+
+
+@dataclass
+class Allocation:
+    job_id: int
+    restart_count: int
+    groups: dict[str, list[str]] = field(default_factory=dict)
+    het: bool = True
+
+    @classmethod
+    def from_environ(cls, group_names: list[str], recipe: Recipe | None = None) -> Allocation:
+        """The nodes of each group (`recipe.cluster.groups`, in het-group order) as Slurm allocated them.
+
+        A plain job (no SLURM_JOB_NODELIST_HET_GROUP_0: `relax submit` made one `--nodes=N+M` job) is split
+        in node-list order by the groups' node counts, train first."""
+        env = os.environ
+        job = int(env["SLURM_JOB_ID"]), int(env.get("SLURM_RESTART_COUNT", "0"))
+        if "SLURM_JOB_NODELIST_HET_GROUP_0" not in env:
+            nodes = hostnames(env["SLURM_JOB_NODELIST"])
+            if len(group_names) == 1:
+                return cls(*job, {group_names[0]: nodes}, het=False)
+            assert recipe is not None, "a plain job of several groups is split by the recipe's node counts"
+            groups, start = {}, 0
+            for name in group_names:
+                count = getattr(recipe.cluster, name).nodes
+                groups[name], start = nodes[start:start + count], start + count
+            return cls(*job, groups, het=False)
+        groups = {name: hostnames(env[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"]) for i, name in enumerate(group_names)}
+        return cls(*job, groups)
+
+    def nodes(self) -> list[tuple[str, str, int]]:
+        """(name, group, index) of every node, in het-group order; index = position in the job (0 = the head)."""
+        ordered = [(name, group) for group, names in self.groups.items() for name in names]
+        return [(name, group, i) for i, (name, group) in enumerate(ordered)]
+
+
+def hostnames(nodelist: str) -> list[str]:
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+@dataclass
+class Step:
+    name: str
+    node: str
+    log_path: Path
+    proc: subprocess.Popen
+    launched: float = field(default_factory=time.monotonic)
+    started: bool = False
+
+    def log_tail(self, lines: int = 8) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def srun_said(self) -> str:
+        """srun's own last lines in the step's log (why Slurm has not started it)."""
+        said = [line for line in self.log_tail(40).splitlines() if line.startswith("srun:")]
+        return "\n".join(said[-3:]) or "srun printed nothing"
+
+
+def node_resources(group: NodeGroup) -> list[str]:
+    """What a Ray node step of `group` asks Slurm for: the group's cores, GPUs and all of the job's memory."""
+    gpu_type = getattr(group, "gpu_type", None)
+    gres = f"--gres=gpu:{gpu_type + ':' if gpu_type else ''}{group.gpus_per_node}" if group.gpus_per_node \
+        else "--gres=none"
+    return [f"--cpus-per-task={group.cpus_per_node}", gres, "--mem=0"]
+
+
+def srun_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """srun's environment: this one without the job's resource variables (each step states its own)."""
+    environ = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in environ.items() if not k.startswith(INHERITED_RESOURCES)}
+
+
+def srun_command(recipe: Recipe, run: RunDir, group: str, node: str, job_name: str, argv: list[str],
+                 het_group: int | None = None, driver: bool = False) -> list[str]:
+    """`srun` of `python -m argv` on one node of this job (of het group `het_group`), inside the container
+    when the recipe names one: a Ray node of `group`, or the driver (`driver=True`)."""
+    from relax_core.launch.container import step_prefix
+
+    cluster = recipe.cluster
+    het = [f"--het-group={het_group}"] if het_group is not None else []
+    resources = DRIVER_RESOURCES if driver else node_resources(getattr(cluster, group))
+    prefix = step_prefix(recipe, run.path, gpus=getattr(cluster, group).gpus_per_node > 0)
+    python = "python3" if cluster.container.image else sys.executable
+    return ["srun", *het, "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", *resources,
+            f"--job-name={job_name}", *prefix, python, "-m", *argv]
+
+
+def running_steps(job_ids: set[int]) -> set[tuple[str, str]] | None:
+    """(step name, node) of every step Slurm runs for these jobs (het components); None if squeue failed."""
+    try:
+        proc = subprocess.run(["squeue", "--steps", "--noheader", "--user", getpass.getuser(), "--format=%i|%j|%N"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    steps = set()
+    for line in proc.stdout.splitlines():
+        step_id, _, rest = line.strip().partition("|")
+        name, _, nodes = rest.partition("|")
+        job = step_id.split(".")[0].split("+")[0]
+        if job.isdigit() and int(job) in job_ids:
+            steps.add((name, nodes))
+    return steps
+
+
+def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+class JobSteps:
+    """The job's srun steps: one Ray node per allocated node, and the driver."""
+
+    def __init__(self, recipe: Recipe, run: RunDir, alloc: Allocation):
+        self.recipe, self.run, self.alloc = recipe, run, alloc
+        self.nodes: list[Step] = []
+        self.driver: Step | None = None
+
+    def step_command(self, group: str, node: str, job_name: str, argv: list[str], driver: bool = False) -> list[str]:
+        """`srun` of one step on one node, inside the container when the recipe names one."""
+        groups = self.recipe.cluster.groups
+        het = groups.index(group) if self.alloc.het and len(groups) > 1 else None
+        return srun_command(self.recipe, self.run, group, node, job_name, argv, het, driver=driver)
+
+    def srun(self, group: str, node: str, job_name: str, argv: list[str], log_path: Path,
+             driver: bool = False) -> Step:
+        command = self.step_command(group, node, job_name, argv, driver=driver)
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=srun_env())
+        return Step(job_name, node, log_path, proc)
+
+    def start_nodes(self, head_address: str, head_block: int) -> None:
+        for name, group, index in self.alloc.nodes():
+            argv = ["relax_core.cluster.node", str(self.run.path), "--group", group, "--index", str(index),
+                    "--head-address", "" if index == 0 else head_address]
+            argv += ["--port-block", str(head_block)] if index == 0 else []
+            self.nodes.append(self.srun(group, name, f"ray-{name}", argv, self.run.logs / f"ray-{name}.log"))
+
+    def start_driver(self) -> None:
+        head = self.alloc.groups["train"][0]
+        argv = ["relax_core.entrypoints.slurm_driver", str(self.run.path)]
+        self.driver = self.srun("train", head, "driver", argv, self.run.logs / "driver-step.log", driver=True)
+
+    def dead_node(self) -> Step | None:
+        return next((s for s in self.nodes if s.proc.poll() is not None), None)
+
+    def node_failure(self, step: Step) -> str:
+        role = "head" if step is self.nodes[0] else "worker"
+        return (f"the Ray {role} on node {step.node} exited with code {step.proc.returncode}; "
+                f"see {step.log_path}\n{step.log_tail()}")
+
+    def not_started(self) -> str | None:
+        """Why the job cannot go on when a step Slurm has not started within `cluster.slurm.startup_timeout_s`
+        (None while every step started or may still start)."""
+        waiting = [s for s in [*self.nodes, self.driver] if s is not None and not s.started]
+        if not waiting:
+            return None
+        running = running_steps(set(range(self.alloc.job_id, self.alloc.job_id + len(self.alloc.groups))))
+        timeout = self.recipe.cluster.slurm.startup_timeout_s
+        for step in waiting:
+            if step.proc.poll() is not None or (running is not None and (step.name, step.node) in running):
+                step.started = True
+            elif running is not None and time.monotonic() - step.launched > timeout:
+                what = "driver step" if step is self.driver else f"Ray node step {step.name}"
+                return (f"Slurm did not start the {what} on node {step.node} within {timeout:.0f}s "
+                        f"(cluster.slurm.startup_timeout_s); srun said:\n{step.srun_said()}\nsee {step.log_path}")
+        return None
+
+    def signal_driver(self, signum: int) -> None:
+        """srun forwards the signal to the driver process it runs."""
+        if self.driver is not None and self.driver.proc.poll() is None:
+            self.driver.proc.send_signal(signum)
+
+    def supervise(self, poll_s: float = 0.5, scale_jobs=None) -> tuple[int | None, str | None]:
+        """Wait for the driver to end; returns (its exit code, or None, and why the job failed otherwise: a node
+        that ended, or a step Slurm did not start in time). Meanwhile `scale_jobs` (launch/scale_jobs.py) submits
+        and cancels the driver's scale-out jobs."""
+        assert self.driver is not None
+        while True:
+            if scale_jobs is not None:
+                scale_jobs.poll()
+            code = self.driver.proc.poll()
+            if code is not None:
+                return code, None
+            dead = self.dead_node()
+            if dead is not None:
+                return None, self.node_failure(dead)
+            stuck = self.not_started()
+            if stuck is not None:
+                return None, stuck
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        """Stop every step this job started (driver first), by its process group."""
+        for step in ([self.driver] if self.driver else []) + list(reversed(self.nodes)):
+            terminate(step.proc)
