@@ -5,6 +5,23 @@
 look like 8-GPU nodes in partition "gpu" (g1, g2; for `sbatch --test-only` of
 full-size recipes) into a temporary directory, starts its own munged,
 slurmctld and slurmds, and waits until `sinfo` shows every node idle.
+Preemption works as at sites that let a "scavenger" queue use idle nodes:
+partition "scavenger" (n1..n4 again, PreemptMode=REQUEUE, GraceTime=10 s)
+yields to partition "urgent" (n1..n4, higher PriorityTier); "debug" and "gpu"
+are never preempted. `SlurmCluster.preempt(node)` submits an urgent job that
+needs the whole node. What a scavenger job receives (measured on 22.05.8):
+at once SIGCONT and SIGTERM to every srun step, but not to the batch script
+(like `scancel --signal` without `--batch`); when the grace time is over,
+SIGTERM and SIGCONT to the batch script and the steps, SIGKILL KillWait (5 s)
+later. Then a requeueable job is requeued (Restarts+1, held cred_expire+1 s,
+started when the node is free) and one submitted with --no-requeue ends
+PREEMPTED. `--signal` is not sent at preemption (no
+PreemptParameters=send_user_signal, Slurm's default).
+
+The cluster is shared the way a university's is (tests/slurm_site.py): a
+second Unix user, `relaxtest2`, submits jobs to the same nodes
+(`SlurmCluster.submit_as`), and fs.protected_regular=1 while it runs.
+
 Tests reach it through the session-scoped `slurm_cluster` fixture, which also
 exports SLURM_CONF for the test process, so `sbatch`/`squeue`/`scancel` run by
 the code under test talk to this cluster (and never read /etc/slurm, which
@@ -32,6 +49,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
+from slurm_site import PROTECTED_REGULAR, SECOND_USER, as_user, ensure_user, owned_dir, sysctl
 
 NODE_NAMES = ("n1", "n2", "n3", "n4")  # partition "debug": 2 CPUs, 4000 MB, 2 stand-in GPUs each
 PARTITION = "debug"
@@ -40,6 +58,9 @@ NODE_GPUS = 2
 GPU_NODE_NAMES = ("g1", "g2")  # partition "gpu": look like 8-GPU, 64-CPU, ~1 TB nodes
 GPU_PARTITION = "gpu"
 GPUS_PER_NODE = 8
+PREEMPTIBLE_PARTITION = "scavenger"  # n1..n4 again: its jobs are requeued when an "urgent" job needs their CPUs
+URGENT_PARTITION = "urgent"  # n1..n4 again, higher PriorityTier: preempts "scavenger" jobs
+PREEMPT_GRACE_S = 10  # GraceTime of "scavenger": SIGTERM first, SIGKILL this long after
 NVIDIA_MAJOR = 195  # the character-device major number of /dev/nvidia0, /dev/nvidia1, ...
 # Environment a surrounding Slurm job (or a user's shell) may set; any of it
 # would steer sbatch/srun away from the test cluster.
@@ -97,8 +118,12 @@ KillWait=5
 Waittime=0
 NodeName=n[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6821-6824] CPUs=2 RealMemory=4000 Gres={node_gres}
 NodeName=g[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6825-6826] CPUs=64 RealMemory=1000000 Gres=gpu:8 State=UNKNOWN
-PartitionName=debug Nodes=n[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-PartitionName=gpu Nodes=g[1-2] MaxTime=INFINITE State=UP OverSubscribe=YES
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=n[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
+PartitionName=gpu Nodes=g[1-2] MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
+PartitionName={preemptible} Nodes=n[1-4] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace}
+PartitionName={urgent} Nodes=n[1-4] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
 
 
@@ -221,6 +246,12 @@ class SlurmCluster:
     gpus_per_node = GPUS_PER_NODE
     node_gpu_type = NODE_GPU_TYPE
     node_gpus = NODE_GPUS
+    preemptible_partition = PREEMPTIBLE_PARTITION
+    urgent_partition = URGENT_PARTITION
+    preempt_grace_s = PREEMPT_GRACE_S
+    second_user = SECOND_USER
+    # Whether fs.protected_regular=1 holds while the cluster runs (the fixture sets it; see slurm_site).
+    protected_regular = False
 
     def __init__(self, root: Path, cred_expire: int = 5) -> None:
         if cred_expire < 5:
@@ -274,7 +305,10 @@ class SlurmCluster:
         key.chmod(0o600)
         self.conf_path.write_text(
             SLURM_CONF_TEMPLATE.format(
-                root=self.root, cred_expire=self.cred_expire, node_gres=f"gpu:{NODE_GPU_TYPE}:{NODE_GPUS}"
+                root=self.root, cred_expire=self.cred_expire, node_gres=f"gpu:{NODE_GPU_TYPE}:{NODE_GPUS}",
+                preemptible=PREEMPTIBLE_PARTITION,
+                urgent=URGENT_PARTITION,
+                grace=PREEMPT_GRACE_S,
             )
         )
         # Slurm reads gres.conf from the directory SLURM_CONF is in.
@@ -319,10 +353,21 @@ class SlurmCluster:
     # -- client helpers -----------------------------------------------------
 
     def run(
-        self, cmd: str | Sequence[str], *, check: bool = True, timeout: float = 60.0, input: str | None = None
+        self,
+        cmd: str | Sequence[str],
+        *,
+        check: bool = True,
+        timeout: float = 60.0,
+        input: str | None = None,
+        user: str | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run a Slurm client command against this cluster (a string is split like a shell would)."""
+        """Run a Slurm client command against this cluster (a string is split like a shell would).
+
+        `user` runs it as that Unix user (with runuser), e.g. `cluster.second_user`.
+        """
         argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        if user is not None:
+            argv = as_user(user, argv)
         proc = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, input=input)
         if check and proc.returncode != 0:
             raise SlurmCommandError(proc.returncode, argv, proc.stdout, proc.stderr)
@@ -330,15 +375,38 @@ class SlurmCluster:
 
     def submit(self, script: str, *sbatch_args: str) -> int:
         """`sbatch` a script text (from the jobs/ directory); return the job id."""
-        fd, path = tempfile.mkstemp(suffix=".sh", dir=self.root / "jobs")
+        return self._sbatch(self.root / "jobs", script, sbatch_args, user=None)
+
+    def submit_as(self, user: str, script: str, *sbatch_args: str) -> int:
+        """`sbatch` a script text as Unix user `user`, from `user_dir(user)`; return the job id."""
+        return self._sbatch(self.user_dir(user), script, sbatch_args, user=user)
+
+    def user_dir(self, user: str) -> Path:
+        """A directory of `user`'s own in the cluster's root: its jobs' working directory."""
+        return owned_dir(self.root / "users" / user, user)
+
+    def _sbatch(self, workdir: Path, script: str, sbatch_args: Sequence[str], user: str | None) -> int:
+        fd, path = tempfile.mkstemp(suffix=".sh", dir=workdir)
         with os.fdopen(fd, "w") as handle:
             handle.write(script)
-        out = self.run(["sbatch", "--parsable", f"--chdir={self.root / 'jobs'}", *sbatch_args, path]).stdout
+        os.chown(path, workdir.stat().st_uid, workdir.stat().st_gid)
+        out = self.run(["sbatch", "--parsable", f"--chdir={workdir}", *sbatch_args, path], user=user).stdout
         return int(out.strip().split(";")[0])
 
     def gpu_device_files(self, node: str) -> list[Path]:
         """The stand-in device files of `node`'s GPUs (character devices 195:K, as gres.conf names them)."""
         return sorted((self.root / "fake-gpu" / node).glob("nvidia*"))
+
+    def preempt(self, node: str, hold_s: float = 1.0) -> int:
+        """Submit an "urgent" job that needs all of `node` for `hold_s` seconds; return its id.
+
+        A "scavenger" job on the node is preempted at once (see the module
+        docstring for the signals); a "debug" job is not, and the urgent job
+        waits for it.
+        """
+        script = f"#!/bin/bash\nsleep {hold_s}\n"
+        return self.submit(script, f"--partition={URGENT_PARTITION}", f"--nodelist={node}", "--exclusive",
+                           "--output=/dev/null")
 
     def job_info(self, job_id: int) -> dict[str, str]:
         """`scontrol show job` fields of the job (of the leader, for a het job)."""
@@ -369,12 +437,14 @@ def clean_environ(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith(FOREIGN_ENV_PREFIXES)}
 
 
-def short_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A pytest temporary directory, or a short one under /tmp when that path is too long."""
-    root = tmp_path_factory.mktemp("slurm")
-    if len(str(root)) <= MAX_ROOT_LEN:
-        return root
-    return Path(tempfile.mkdtemp(prefix="relax-slurm-", dir="/tmp"))
+def cluster_root() -> Path:
+    """A new short directory under /tmp that every user may enter (the second user reads slurm.conf there).
+
+    Not pytest's temporary directory: its parent is private to the user running the tests.
+    """
+    root = Path(tempfile.mkdtemp(prefix="relax-slurm-", dir="/tmp"))
+    root.chmod(0o755)
+    return root
 
 
 def point_environ_at(conf_path: Path) -> dict[str, str | None]:
@@ -396,18 +466,26 @@ def restore_environ(saved: dict[str, str | None]) -> None:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """A running four-node test cluster; SLURM_CONF points at it for the whole session."""
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A running test cluster; SLURM_CONF points at it and fs.protected_regular is 1 for the whole session.
+
+    The cluster's directory (config, logs, the jobs' working directories) is
+    removed at the end of the session.
+    """
     require_slurm_installed()
     require_isolated_network()
-    cluster = SlurmCluster(short_root(tmp_path_factory))
+    if os.geteuid() == 0:
+        ensure_user(SECOND_USER)
+    cluster = SlurmCluster(cluster_root())
     saved_environ = point_environ_at(cluster.conf_path)
     try:
-        cluster.start()
-        yield cluster
+        with sysctl(PROTECTED_REGULAR, "1") as cluster.protected_regular:
+            cluster.start()
+            yield cluster
     finally:
         cluster.stop()
         restore_environ(saved_environ)
+        shutil.rmtree(cluster.root, ignore_errors=True)
 
 
 def mark_slurm_tests(items: list[pytest.Item]) -> None:

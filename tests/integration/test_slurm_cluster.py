@@ -40,7 +40,7 @@ def test_sinfo_shows_every_node_idle_and_clients_use_the_test_conf(slurm_cluster
     assert sorted(out.split("\n")[:-1]) == [
         "g1 gpu idle 64 1000000 gpu:8",
         "g2 gpu idle 64 1000000 gpu:8",
-        *[f"n{i} debug* idle 2 4000 gpu:tesla:2" for i in range(1, 5)],
+        *[f"n{i} {p} idle 2 4000 gpu:tesla:2" for i in range(1, 5) for p in ("debug*", "scavenger", "urgent")],
     ]
 
 
@@ -205,6 +205,99 @@ if [ -z "$SLURM_RESTART_COUNT" ]; then sleep 60 & wait; fi
     assert slurm_cluster.job_info(job_id)["Restarts"] == "1"
     # cred_expire=5 holds it for 6 s; sched_interval=1 starts it right after.
     assert 5.0 < delay < 12.0, f"requeued job restarted after {delay:.1f} s"
+
+
+def write_step_script(path: Path, events: Path) -> Path:
+    """A step that logs its SIGTERM (and exits) into `events`."""
+    path.write_text(f"""#!/bin/bash
+trap 'echo "STEP_TERM $(date +%s.%N)" >> {events}; exit 0' TERM
+echo "STEP_READY $(date +%s.%N)" >> {events}
+while true; do sleep 0.1; done
+""")
+    path.chmod(0o755)
+    return path
+
+
+def read_events(path: Path) -> list[tuple[str, float]]:
+    return [(name, float(at)) for name, at in (line.split() for line in path.read_text().splitlines())]
+
+
+def test_a_preempted_job_gets_sigterm_in_its_steps_then_in_its_batch_script_and_is_requeued(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    events = tmp_path / "events"
+    step = write_step_script(tmp_path / "step.sh", events)
+    script = f"""#!/bin/bash
+#SBATCH --requeue --output=/dev/null
+echo "START_${{SLURM_RESTART_COUNT:-0}} $(date +%s.%N)" >> {events}
+[ -n "$SLURM_RESTART_COUNT" ] && exit 0
+trap 'echo "BATCH_TERM $(date +%s.%N)" >> {events}; exit 0' TERM
+srun --ntasks=1 --overlap {step} &
+while true; do sleep 0.1; done
+"""
+    job_id = slurm_cluster.submit(script, f"--partition={slurm_cluster.preemptible_partition}", "--nodelist=n1")
+    wait_for_text(events, "STEP_READY")
+    urgent = slurm_cluster.preempt("n1")
+    wait_for_text(events, "START_1", timeout=60)
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    assert slurm_cluster.wait_for_state(urgent) == "COMPLETED"
+    seen = read_events(events)
+    assert [name for name, _ in seen] == ["START_0", "STEP_READY", "STEP_TERM", "BATCH_TERM", "START_1"]
+    at = dict(seen)
+    # The steps hear of it at once; the batch script only when the grace time is over.
+    assert at["STEP_TERM"] - at["STEP_READY"] < 5
+    assert at["BATCH_TERM"] - at["STEP_TERM"] >= slurm_cluster.preempt_grace_s - 1
+    assert slurm_cluster.job_info(job_id)["Restarts"] == "1"
+
+
+def test_a_preempted_job_that_may_not_be_requeued_ends_preempted(slurm_cluster: SlurmCluster) -> None:
+    job_id = slurm_cluster.submit(
+        "#!/bin/bash\nsleep 120\n", f"--partition={slurm_cluster.preemptible_partition}", "--nodelist=n2",
+        "--no-requeue", "--output=/dev/null",
+    )
+    slurm_cluster.wait_for_state(job_id, ("RUNNING",))
+    urgent = slurm_cluster.preempt("n2")
+    assert slurm_cluster.wait_for_state(job_id, timeout=slurm_cluster.preempt_grace_s + 30) == "PREEMPTED"
+    assert slurm_cluster.wait_for_state(urgent) == "COMPLETED"
+
+
+def test_an_urgent_job_waits_for_a_debug_job_instead_of_preempting_it(slurm_cluster: SlurmCluster) -> None:
+    job_id = slurm_cluster.submit("#!/bin/bash\nsleep 120\n", "--nodelist=n3", "--output=/dev/null")
+    slurm_cluster.wait_for_state(job_id, ("RUNNING",))
+    urgent = slurm_cluster.preempt("n3")
+    time.sleep(3)
+    assert slurm_cluster.job_state(job_id) == "RUNNING" and slurm_cluster.job_state(urgent) == "PENDING"
+    slurm_cluster.run(["scancel", str(job_id)])
+    assert slurm_cluster.wait_for_state(urgent) == "COMPLETED"
+
+
+def test_a_second_user_runs_a_job_on_a_node_where_a_root_job_runs(slurm_cluster: SlurmCluster) -> None:
+    user = slurm_cluster.second_user
+    root_job = slurm_cluster.submit("#!/bin/bash\nsleep 120\n", "--nodelist=n4", "--cpus-per-task=1",
+                                    "--output=/dev/null")
+    slurm_cluster.wait_for_state(root_job, ("RUNNING",))
+    out = slurm_cluster.user_dir(user) / "whoami.out"
+    script = "#!/bin/bash\necho USER=$(id -un)\necho NODE=$SLURMD_NODENAME\n"
+    job_id = slurm_cluster.submit_as(user, script, "--nodelist=n4", "--cpus-per-task=1", f"--output={out}")
+    assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+    assert slurm_cluster.job_state(root_job) == "RUNNING"
+    slurm_cluster.run(["scancel", str(root_job)])
+    assert read_vars(out) == {"USER": user, "NODE": "n4"}
+    assert out.owner() == user and slurm_cluster.job_info(job_id)["UserId"].startswith(f"{user}(")
+
+
+def test_another_users_file_in_a_sticky_directory_is_refused_to_o_creat(slurm_cluster: SlurmCluster) -> None:
+    """fs.protected_regular=1 (systemd's default) holds while the cluster runs: even root gets EACCES."""
+    assert slurm_cluster.protected_regular
+    assert Path("/proc/sys/fs/protected_regular").read_text() == "1\n"
+    sticky = slurm_cluster.root / "sticky"  # like /tmp: world-writable, sticky, root's
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs = sticky / "lock"
+    slurm_cluster.run(["touch", str(theirs)], user=slurm_cluster.second_user)
+    with pytest.raises(PermissionError):
+        os.open(theirs, os.O_RDWR | os.O_CREAT)
+    os.close(os.open(theirs, os.O_RDWR))  # without O_CREAT it opens
 
 
 def test_squeue_json_lists_a_pending_job(slurm_cluster: SlurmCluster) -> None:
