@@ -15,7 +15,8 @@ paths where they already are):
   `--env` value, read as one CSV record, last;
 - PATH inside: the folders an image file that holds JSON `{"path": [...]}`
   lists (its stand-in executables, e.g. another Relax's `python3`), then the
-  caller's PATH (the image's Python is the host's);
+  caller's PATH (the image's Python is the host's); its `"env"` mapping is the
+  image's own environment, applied before `APPTAINERENV_*` and `--env`;
 - appends `{"argv": ..., "env": ...}` of each call as a JSON line to
   `$FAKE_APPTAINER_LOG` when that is set.
 """
@@ -68,6 +69,7 @@ def main() -> None:
         manifest = {}
     env = {k: os.environ[k] for k in KEPT_BY_CLEANENV if k in os.environ} if clean else dict(os.environ)
     env["PATH"] = os.pathsep.join([*manifest.get("path", []), os.environ.get("PATH", "")])
+    env.update(manifest.get("env", {}))  # the image's own environment (%environment)
     for prefix in ("SINGULARITYENV_", "APPTAINERENV_"):  # APPTAINERENV_ wins
         env.update({k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)})
     for value in envs:

@@ -34,3 +34,35 @@ def test_a_recipe_without_slurm_is_refused():
                           text=True, cwd=REPO, env=os.environ | {"COLUMNS": "200"}, timeout=120)
     assert proc.returncode == 2
     assert "--slurm" in proc.stderr
+
+
+def _login_socket(token: str):
+    """A socket answering as relax doctor's login side does: `ok` to the right token, nothing otherwise."""
+    import hmac
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        for _ in range(2):
+            conn, _ = server.accept()
+            with conn:
+                if hmac.compare_digest(conn.recv(256).decode().strip(), token):
+                    conn.sendall(b"ok\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    return server
+
+
+def test_the_probe_reaches_the_login_node_with_the_token_only():
+    from relax_core.launch.doctor_slurm import address_and_login
+
+    server = _login_socket("s3cret")
+    request = {"login": ["127.0.0.1"], "port": server.getsockname()[1], "interface": ["lo"]}
+    address, login = address_and_login(request, "s3cret")
+    assert login == {"reached": True, "via": "127.0.0.1", "failed": []}
+    assert address == {"address": "127.0.0.1", "interface": "lo"}  # cluster.network.interface decides
+    address, login = address_and_login(request, "wrong")
+    assert login == {"reached": False, "via": None, "failed": ["127.0.0.1: no answer"]}
+    server.close()
