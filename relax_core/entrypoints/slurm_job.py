@@ -14,8 +14,17 @@ and its log; the driver's exit code says how the run ended. On USR1 (sent by
 Slurm `signal_before_end_s` before the time limit) it tells the driver to stop:
 the driver aborts the rollout in progress and checkpoints the last completed
 step within seconds; then this step requeues the job, which resumes from that
-checkpoint. A run whose newest checkpoint is no newer than the one it started
-from made no progress and is not requeued, so a failing start-up cannot loop.
+checkpoint. SIGTERM that is not the user's `relax cancel` (which marks
+run.json `cancel_requested` first) is the same: the time limit (the driver's
+checkpoint outlasted `signal_before_end_s`: `scontrol requeue` still turns a
+TIMEOUT job back into a pending one) or an administrator's scancel. A site's
+preemption (PreemptMode CANCEL or REQUEUE with GraceTime) sends SIGTERM to
+every step but not to this one (slurmctld's job_signal without KILL_FULL_JOB):
+the steps end, Slurm's `scontrol show job` shows a PreemptTime, and this step
+requeues the job at once, in either mode (with REQUEUE Slurm would only requeue
+a job still running at the grace time's end). A run whose newest checkpoint is
+no newer than the one it started from made no progress and is not requeued
+after a signal, so a failing start-up cannot loop; a preempted one always is.
 It holds the run directory's driver lock for its whole life, so no local
 driver or second job drives the same run meanwhile. It also submits the
 rollout-only jobs the driver asks for (`relax scale-rollout +N`,
@@ -73,16 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     head_lease = lease_ports(alloc.job_id, 0)  # this step runs on the head's machine, and holds it until it ends
     head = head_address(recipe, head_lease.ports)
     run.update_state(state="running", job_id=str(alloc.job_id), restart_count=alloc.restart_count,
-                     nodes=alloc.groups, ray_head=head, started=_now(), error=None)
+                     nodes=alloc.groups, ray_head=head, started=_now(), error=None, cancel_requested=None)
     steps = JobSteps(recipe, run, alloc)
-    preempted: list[bool] = []
-
-    def on_usr1(*_) -> None:
-        preempted.append(True)
-        steps.signal_driver(signal.SIGUSR1)
-
-    signal.signal(signal.SIGUSR1, on_usr1)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: stop the steps on the way out
+    signalled = stop_on_signals(run, steps)
     scale_jobs = ScaleJobs(recipe, run)
     try:
         steps.start_nodes(head, head_lease.ports.block)
@@ -90,7 +92,23 @@ def main(argv: list[str] | None = None) -> int:
         code, node_failure = steps.supervise(scale_jobs=scale_jobs)
     finally:
         end_steps(steps, scale_jobs)
-    return finish(run, alloc, code, node_failure, start_step, bool(preempted))
+    return finish(run, alloc, code, node_failure, start_step, bool(signalled))
+
+
+def stop_on_signals(run: RunDir, steps: JobSteps) -> list[str]:
+    """On USR1 or SIGTERM the driver checkpoints and stops, and the job is requeued (the names of the signals
+    received go into the list returned); SIGTERM after the user's `relax cancel` stops the steps and ends."""
+    signalled: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        if signum == signal.SIGTERM and run.read_state().get("cancel_requested"):
+            sys.exit(143)  # the user's relax cancel: stop the steps on the way out, never requeue
+        signalled.append(signal.Signals(signum).name)
+        steps.signal_driver(signal.SIGUSR1)  # checkpoint the last completed step now
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    return signalled
 
 
 def end_steps(steps: JobSteps, scale_jobs: ScaleJobs) -> None:
@@ -101,21 +119,39 @@ def end_steps(steps: JobSteps, scale_jobs: ScaleJobs) -> None:
 
 
 def finish(run: RunDir, alloc: Allocation, code: int | None, node_failure: str | None, start_step: int,
-           preempted: bool) -> int:
-    if node_failure is not None:
-        return _failed(run, node_failure)
-    if code == DRIVER_COMPLETED:
+           signalled: bool) -> int:
+    if code == DRIVER_COMPLETED and node_failure is None:
         run.update_state(state="completed", finished=_now())
         return 0
-    if code == DRIVER_STOPPED and preempted:
-        if run.read_state().get("checkpoint_step", 0) <= start_step:
+    by_slurm = preempted(alloc.job_id)
+    if signalled or by_slurm:  # the steps may have ended of Slurm's SIGTERM: not a failure
+        if not by_slurm and run.read_state().get("checkpoint_step", 0) <= start_step:
             return _failed(run, "signalled before making progress; not requeued")
-        run.update_state(state="requeued", requeued=_now())
-        subprocess.run(["scontrol", "requeue", str(alloc.job_id)], check=True, capture_output=True, text=True)
-        _notify_requeued(run, alloc.job_id)
-        return 0
+        return _requeue(run, alloc)
+    if node_failure is not None:
+        return _failed(run, node_failure)
     recorded = run.read_state().get("error")
     return _failed(run, recorded or f"the driver exited with code {code}; see {run.logs / 'driver.log'}")
+
+
+def preempted(job_id: int) -> bool:
+    """Slurm is preempting the job: `scontrol show job` shows when (PreemptTime; None otherwise)."""
+    try:
+        proc = subprocess.run(["scontrol", "-o", "show", "job", str(job_id)], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    fields = dict(part.split("=", 1) for part in proc.stdout.split() if "=" in part)
+    return proc.returncode == 0 and fields.get("PreemptTime", "None") not in ("None", "Unknown", "")
+
+
+def _requeue(run: RunDir, alloc: Allocation) -> int:
+    run.update_state(state="requeued", requeued=_now())
+    proc = subprocess.run(["scontrol", "requeue", str(alloc.job_id)], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        return _failed(run, f"scontrol requeue {alloc.job_id} failed: {proc.stderr.strip()}")
+    _notify_requeued(run, alloc.job_id)
+    return 0
 
 
 def _notify_requeued(run: RunDir, job_id) -> None:

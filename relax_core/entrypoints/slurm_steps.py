@@ -102,7 +102,8 @@ class Step:
     def srun_said(self) -> str:
         """srun's own last lines in the step's log (why Slurm has not started it)."""
         said = [line for line in self.log_tail(40).splitlines() if line.startswith("srun:")]
-        return "\n".join(said[-3:]) or "srun printed nothing"
+        # srun says "step creation temporarily disabled" after its first wait for the step: a minute or more
+        return "\n".join(said[-3:]) or "nothing yet (srun reports a step it waits for after a minute or more)"
 
 
 def node_resources(group: NodeGroup) -> list[str]:

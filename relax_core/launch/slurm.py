@@ -352,6 +352,8 @@ class SlurmExecutor(Executor):
     def cancel(self, run: RunDir, state: dict[str, Any]) -> str:
         if not state.get("job_id"):
             return super().cancel(run, state)
+        # Read by the batch step on scancel's SIGTERM: the user's cancel is never requeued.
+        run.update_state(cancel_requested=time.strftime("%Y-%m-%dT%H:%M:%S"))
         cancel(str(state["job_id"]))
         run.update_state(state="cancelled", finished=time.strftime("%Y-%m-%dT%H:%M:%S"))
         return f"cancelled Slurm job {state['job_id']}"

@@ -7,6 +7,8 @@ tests/integration/test_slurm_steps.py.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,21 @@ def test_the_scale_out_jobs_are_cancelled_before_the_steps_are_stopped():
 
     end_steps(Steps(), ScaleOut())
     assert order == ["scale-out jobs cancelled", "steps stopped"]
+
+
+def test_relax_cancel_marks_the_run_before_scancel(tmp_path, monkeypatch):
+    """The batch step reads the mark on scancel's SIGTERM, so the user's cancel is never requeued."""
+    from relax_core.launch.slurm import SlurmExecutor
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scancel = bin_dir / "scancel"  # records run.json as scancel's SIGTERM would find it
+    scancel.write_text(f"#!/bin/sh\ncp {tmp_path / 'run' / 'run.json'} {tmp_path / 'seen.json'}\n")
+    scancel.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.update_state(state="running", job_id="42")
+    SlurmExecutor().cancel(run, run.read_state())
+    assert json.loads((tmp_path / "seen.json").read_text())["cancel_requested"]
+    assert run.read_state()["state"] == "cancelled"
