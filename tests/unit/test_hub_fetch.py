@@ -118,3 +118,39 @@ def test_every_field_that_can_name_a_hub_id_is_fetched(tmp_path):
     local.mkdir(parents=True)  # a folder of that name is a path, not a hub id
     raw["algorithm"]["critic"]["init_from"] = str(local)
     assert "algorithm.critic.init_from" not in {ref.field for ref in hub_refs(load_recipe(write_recipe(tmp_path, raw)))}
+
+
+def test_in_a_container_the_steps_read_the_hub_cache_not_the_images_hf_home(tmp_path, monkeypatch):
+    """The environment the batch step gives every step (`hub_env`) reaches the process inside the image,
+    over the image's own HF_HOME, and the cache is bound (tests/fake_apptainer.py applies both as
+    Apptainer does)."""
+    from relax_core.launch.container import step_prefix
+    from relax_core.launch.hub import hub_env
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apptainer").write_text(f"#!/bin/sh\nexec {sys.executable} {REPO / 'tests' / 'fake_apptainer.py'} "
+                                       '"$@"\n')
+    (bin_dir / "apptainer").chmod(0o755)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    monkeypatch.delenv("RELAX_APPTAINER", raising=False)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    image = tmp_path / "relax.sif"
+    image.write_text(json.dumps({"env": {"HF_HOME": "/opt/image/huggingface"}}))  # read-only in a real image
+    raw = hub_recipe(QUICKSTART)
+    raw["cluster"] |= {"container": {"image": str(image)}}
+    recipe = load_recipe(write_recipe(tmp_path, raw))
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    cache = tmp_path / "runs" / "hub-cache"
+    (cache / "hub").mkdir(parents=True)
+    argv = [*step_prefix(recipe, run_dir, gpus=False), "python3", "-c",
+            "import json, os; print(json.dumps(dict(os.environ)))"]
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)} | hub_env(recipe, run_dir)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    inside = json.loads(proc.stdout.splitlines()[-1])
+    assert (inside["HF_HOME"], inside["HF_HUB_CACHE"]) == (str(cache), str(cache / "hub"))
+    assert inside["HF_HUB_OFFLINE"] == "1"
+    binds = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--bind"]
+    assert any(str(cache).startswith(bind.split(":")[0]) for bind in binds), binds
