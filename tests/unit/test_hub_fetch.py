@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from fake_hub import DATA_ID, MODEL_ID, FakeHub, hub_recipe, tiny_repos
+from test_container_steps import fake_apptainer  # noqa: F401  (fixture: tests/fake_apptainer.py as apptainer)
 
 from relax_core.config import load_recipe
 
@@ -120,21 +121,14 @@ def test_every_field_that_can_name_a_hub_id_is_fetched(tmp_path):
     assert "algorithm.critic.init_from" not in {ref.field for ref in hub_refs(load_recipe(write_recipe(tmp_path, raw)))}
 
 
-def test_in_a_container_the_steps_read_the_hub_cache_not_the_images_hf_home(tmp_path, monkeypatch):
+@pytest.mark.usefixtures("fake_apptainer")
+def test_in_a_container_the_steps_read_the_hub_cache_not_the_images_hf_home(tmp_path):
     """The environment the batch step gives every step (`hub_env`) reaches the process inside the image,
     over the image's own HF_HOME, and the cache is bound (tests/fake_apptainer.py applies both as
     Apptainer does)."""
     from relax_core.launch.container import step_prefix
     from relax_core.launch.hub import hub_env
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "apptainer").write_text(f"#!/bin/sh\nexec {sys.executable} {REPO / 'tests' / 'fake_apptainer.py'} "
-                                       '"$@"\n')
-    (bin_dir / "apptainer").chmod(0o755)
-    (bin_dir / "python3").symlink_to(sys.executable)
-    monkeypatch.delenv("RELAX_APPTAINER", raising=False)
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     image = tmp_path / "relax.sif"
     image.write_text(json.dumps({"env": {"HF_HOME": "/opt/image/huggingface"}}))  # read-only in a real image
     raw = hub_recipe(QUICKSTART)
