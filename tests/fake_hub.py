@@ -149,8 +149,10 @@ def tiny_repos(folder: Path) -> dict[tuple[str, str], Path]:
 
 
 def hub_recipe(base: dict, **sections) -> dict:
-    """`base` (a recipe as a dict) with the model and the data set of `tiny_repos` named by hub id."""
+    """A copy of `base` (a recipe as a dict) with the model and the data set of `tiny_repos` named by hub id."""
+    import copy
+
     model = {"source": "hf", "path": MODEL_ID, "dtype": "float32"}
     data = {"source": "hub", "path": DATA_ID, "split": "train", "prompt_key": "prompt", "label_key": "label",
             "apply_chat_template": False}
-    return base | {"model": model, "data": data} | sections
+    return copy.deepcopy(base) | {"model": model, "data": data} | sections

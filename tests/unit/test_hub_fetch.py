@@ -70,6 +70,18 @@ def test_each_hub_id_is_fetched_into_the_cache_once_then_read_from_it(hub, tmp_p
     assert hub.requests == []  # offline first: a cached snapshot costs no request
 
 
+def test_cluster_hub_cache_names_where_the_ids_are_fetched(hub, tmp_path):
+    raw = hub_recipe(QUICKSTART)
+    raw["cluster"] |= {"hub_cache": str(tmp_path / "shared" / "hf")}
+    recipe = write_recipe(tmp_path, raw)
+    proc = subprocess.run([sys.executable, "-c", FETCH, str(recipe), str(tmp_path / "runs" / "r")],
+                          env=online(hub.url), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    fetched = json.loads(proc.stdout.splitlines()[-1])
+    assert all(Path(folder).is_relative_to(tmp_path / "shared" / "hf" / "hub") for folder in fetched.values())
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("field,override,hub_on", [
     ("model.path", "model.path=relax-test/no-such-model", True),
     ("data.path", "data.path=relax-test/no-such-data", True),
