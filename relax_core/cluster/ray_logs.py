@@ -8,10 +8,11 @@ step with SIGTERM, copies `session_latest/logs` of that temp dir into
 `<run>/logs/ray/<node>/<session>/` (a requeued job's or a scale-out's nodes
 start sessions of their own).
 
-The copy is bounded, so it ends well within Slurm's KillWait (30 s by default)
-after the SIGTERM: each file keeps at most its last `FILE_BYTES` (a first
-line says how much was left out), and once `TOTAL_BYTES` are copied the files
-that remain are only named in `SKIPPED.txt`. Smaller files go first.
+The copy starts at most `STOP_GRACE_S` after a signal and is bounded, so it
+ends within Slurm's KillWait (30 s by default) after the SIGTERM: each file
+keeps at most its last `FILE_BYTES` (a first line says how much was left out),
+and once `TOTAL_BYTES` are copied the files that remain are only named in
+`SKIPPED.txt`. Smaller files go first.
 """
 
 from __future__ import annotations
@@ -19,23 +20,35 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from relax_core.cluster.lifetime import child_of_this_process
 
 FILE_BYTES = 10 * 1024**2
 TOTAL_BYTES = 100 * 1024**2
+STOP_GRACE_S = 2.0
 
 
 def run_ray_node(command: list[str], env: dict[str, str], temp_dir: Path, logs: Path) -> int:
     """Run `command` (`ray start --block`) to its end, then keep its logs in `logs`; its exit status, shell-style.
 
-    The child inherits the inheritable file descriptors (the port lease) and dies with this process."""
+    On a signal (passed on to Ray) the logs are copied once Ray has ended or `STOP_GRACE_S` later, whichever
+    comes first: Slurm's SIGKILL follows its SIGTERM after KillWait, sooner than Ray may take to stop. The child
+    inherits the inheritable file descriptors (the port lease) and dies with this process."""
     child = subprocess.Popen(command, env=env, close_fds=False, preexec_fn=child_of_this_process())
+    stopping: list[float] = []
+
+    def pass_on(received: int, _frame) -> None:
+        child.send_signal(received)
+        stopping.append(time.monotonic())
+
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, lambda received, _: child.send_signal(received))
-    code = child.wait()
+        signal.signal(signum, pass_on)
+    while child.poll() is None and not (stopping and time.monotonic() - stopping[0] > STOP_GRACE_S):
+        time.sleep(0.2)
     save_ray_logs(temp_dir, logs)
+    code = child.wait()
     return code if code >= 0 else 128 - code
 
 
