@@ -14,6 +14,7 @@ Slurm puts them is under test here (test_slurm_launch.py runs the launcher).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from slurm_cluster import parse_scontrol_record
+from test_slurm_launch import final_status, logs_of, submit
 
 from relax_core.config import load_recipe
 from relax_core.errors import RecipeError
@@ -134,6 +136,19 @@ def test_groups_of_one_shape_run_as_one_plain_job(slurm_cluster, tmp_path):
         assert "HetJobId" not in job and job["NumNodes"] == "2" and job["Partition"] == "debug", job
     finally:
         slurm_cluster.run(["scancel", str(job_id)], check=False)
+
+
+@pytest.mark.slow
+def test_the_quick_start_runs_to_completion_on_one_plain_job(slurm_cluster, tmp_path):
+    """Both groups on 2-CPU nodes: one plain 2-node job, which the batch step splits (n1 train, n2 rollout)."""
+    job_id = submit(tmp_path, "runs/plain", "cluster.train.cpus_per_node=2", "train.steps=4")
+    run = tmp_path / "runs" / "plain"
+    final = final_status(tmp_path, "runs/plain", 300, "the job to finish")
+    assert final["state"] == "completed" and final["step"] == 4, logs_of(run)
+    (job,) = components(slurm_cluster, int(job_id))
+    assert "HetJobId" not in job and job["NumNodes"] == "2", job
+    assert json.loads((run / "run.json").read_text())["nodes"] == {"train": ["n1"], "rollout": ["n2"]}
+    assert "all 2 nodes joined" in (run / "logs" / "driver.log").read_text()
 
 
 def test_single_layout_with_groups_of_different_shapes_is_refused_before_submission(slurm_cluster, tmp_path):
