@@ -47,7 +47,11 @@ def local_ray(tmp_path_factory):
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-from slurm_cluster import mark_slurm_tests, slurm_cluster  # noqa: E402,F401  (session fixture)
+from slurm_cluster import mark_slurm_tests, slurm_cluster, slurm_version  # noqa: E402,F401  (session fixture)
+
+
+def pytest_report_header(config):
+    return f"slurm version: {slurm_version()}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,7 +20,10 @@ PreemptParameters=send_user_signal, Slurm's default).
 
 The cluster is shared the way a university's is (tests/slurm_site.py): a
 second Unix user, `relaxtest2`, submits jobs to the same nodes
-(`SlurmCluster.submit_as`), and fs.protected_regular=1 while it runs.
+(`SlurmCluster.submit_as`), and fs.protected_regular=1 while it runs. Node
+d1 (partition "debian", 2 CPUs) has its own hostname, which resolves to
+127.0.1.1 in its jobs, and the address 10.77.0.1 on interface relax0 (a
+veth; every node shares the tests' network namespace).
 
 Tests reach it through the session-scoped `slurm_cluster` fixture, which also
 exports SLURM_CONF for the test process, so `sbatch`/`squeue`/`scancel` run by
@@ -49,7 +52,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
-from slurm_site import PROTECTED_REGULAR, SECOND_USER, as_user, ensure_user, owned_dir, sysctl
+from slurm_site import (
+    DEBIAN_NODE,
+    PROTECTED_REGULAR,
+    ROUTABLE_INTERFACE,
+    ROUTABLE_PEER,
+    SECOND_USER,
+    add_routable_address,
+    as_user,
+    debian_hosts,
+    ensure_user,
+    owned_dir,
+    remove_routable_address,
+    sysctl,
+    with_own_hostname,
+)
 
 NODE_NAMES = ("n1", "n2", "n3", "n4")  # partition "debug": 2 CPUs, 4000 MB, 2 stand-in GPUs each
 PARTITION = "debug"
@@ -60,6 +77,7 @@ GPU_PARTITION = "gpu"
 GPUS_PER_NODE = 8
 PREEMPTIBLE_PARTITION = "scavenger"  # n1..n4 again: its jobs are requeued when an "urgent" job needs their CPUs
 URGENT_PARTITION = "urgent"  # n1..n4 again, higher PriorityTier: preempts "scavenger" jobs
+DEBIAN_PARTITION = "debian"  # node d1 only: its hostname resolves to 127.0.1.1 (tests/slurm_site.py)
 PREEMPT_GRACE_S = 10  # GraceTime of "scavenger": SIGTERM first, SIGKILL this long after
 NVIDIA_MAJOR = 195  # the character-device major number of /dev/nvidia0, /dev/nvidia1, ...
 # Environment a surrounding Slurm job (or a user's shell) may set; any of it
@@ -120,8 +138,10 @@ NodeName=n[1-4] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6821-6824] CPUs=
 NodeName=g[1-2] NodeHostname=localhost NodeAddr=127.0.0.1 Port=[6825-6826] CPUs=64 RealMemory=1000000 Gres=gpu:8 State=UNKNOWN
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
+NodeName={debian_node} NodeHostname=localhost NodeAddr=127.0.0.1 Port=6827 CPUs=2 RealMemory=4000
 PartitionName=debug Nodes=n[1-4] Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
 PartitionName=gpu Nodes=g[1-2] MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
+PartitionName={debian_partition} Nodes={debian_node} MaxTime=INFINITE State=UP OverSubscribe=YES PreemptMode=OFF
 PartitionName={preemptible} Nodes=n[1-4] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime={grace}
 PartitionName={urgent} Nodes=n[1-4] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """
@@ -164,7 +184,7 @@ class SlurmCommandError(subprocess.CalledProcessError):
 
 def require_isolated_network() -> None:
     """Fail unless this process is in a loopback-only namespace with 127.0.0.2 on lo."""
-    others = sorted(name for _, name in socket.if_nameindex() if name != "lo")
+    others = sorted(name for _, name in socket.if_nameindex() if name not in ("lo", ROUTABLE_INTERFACE, ROUTABLE_PEER))
     if others:
         pytest.fail(
             f"the Slurm test cluster binds fixed ports and must run in a loopback-only network "
@@ -250,6 +270,8 @@ class SlurmCluster:
     urgent_partition = URGENT_PARTITION
     preempt_grace_s = PREEMPT_GRACE_S
     second_user = SECOND_USER
+    debian_node = DEBIAN_NODE
+    debian_partition = DEBIAN_PARTITION
     # Whether fs.protected_regular=1 holds while the cluster runs (the fixture sets it; see slurm_site).
     protected_regular = False
 
@@ -268,7 +290,7 @@ class SlurmCluster:
 
     @property
     def all_node_names(self) -> tuple[str, ...]:
-        return self.node_names + self.gpu_node_names
+        return self.node_names + self.gpu_node_names + (self.debian_node,)
 
     @property
     def env(self) -> dict[str, str]:
@@ -281,8 +303,11 @@ class SlurmCluster:
         self._write_files()
         self._start_munged()
         self._daemon(["slurmctld", "-i"])
-        for node in self.all_node_names:
+        for node in self.node_names + self.gpu_node_names:
             self._daemon(["slurmd", "-N", node])
+        hosts = self.root / "hosts"
+        hosts.write_text(debian_hosts(self.debian_node))
+        self._daemon(with_own_hostname(self.debian_node, hosts, ["slurmd", "-N", self.debian_node]))
         if not wait_until(self._all_idle, timeout, interval=0.2):
             raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s:\n{self.diagnostics()}")
 
@@ -297,8 +322,10 @@ class SlurmCluster:
     def _write_files(self) -> None:
         for sub in ("state", "log", "run", "munge", "spool", "jobs", "fake-gpu"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        for node in self.all_node_names:
-            make_fake_gpus(self.root / "fake-gpu" / node, NODE_GPUS if node in NODE_NAMES else GPUS_PER_NODE)
+        for node in self.node_names:
+            make_fake_gpus(self.root / "fake-gpu" / node, NODE_GPUS)
+        for node in self.gpu_node_names:
+            make_fake_gpus(self.root / "fake-gpu" / node, GPUS_PER_NODE)
         self.munge_dir.chmod(0o755)  # munged refuses a group/world-writable socket directory
         key = self.munge_dir / "munge.key"
         key.write_bytes(os.urandom(1024))
@@ -309,6 +336,8 @@ class SlurmCluster:
                 preemptible=PREEMPTIBLE_PARTITION,
                 urgent=URGENT_PARTITION,
                 grace=PREEMPT_GRACE_S,
+                debian_node=DEBIAN_NODE,
+                debian_partition=DEBIAN_PARTITION,
             )
         )
         # Slurm reads gres.conf from the directory SLURM_CONF is in.
@@ -478,6 +507,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         ensure_user(SECOND_USER)
     cluster = SlurmCluster(cluster_root())
     saved_environ = point_environ_at(cluster.conf_path)
+    add_routable_address()
     try:
         with sysctl(PROTECTED_REGULAR, "1") as cluster.protected_regular:
             cluster.start()
@@ -485,7 +515,17 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     finally:
         cluster.stop()
         restore_environ(saved_environ)
+        remove_routable_address()
         shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+def slurm_version() -> str:
+    """The version of the first `slurmd` on PATH (the one the fixture starts), e.g. "22.05.8"."""
+    try:
+        out = subprocess.run(["slurmd", "-V"], capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "not installed"
+    return out.split()[-1] if out.strip() else "unknown"
 
 
 def mark_slurm_tests(items: list[pytest.Item]) -> None:

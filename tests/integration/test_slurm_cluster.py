@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import stat
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def test_sinfo_shows_every_node_idle_and_clients_use_the_test_conf(slurm_cluster
     assert not str(slurm_cluster.conf_path).startswith("/etc/")
     out = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %P %t %c %m %G"]).stdout
     assert sorted(out.split("\n")[:-1]) == [
+        "d1 debian idle 2 4000 (null)",
         "g1 gpu idle 64 1000000 gpu:8",
         "g2 gpu idle 64 1000000 gpu:8",
         *[f"n{i} {p} idle 2 4000 gpu:tesla:2" for i in range(1, 5) for p in ("debug*", "scavenger", "urgent")],
@@ -298,6 +300,29 @@ def test_another_users_file_in_a_sticky_directory_is_refused_to_o_creat(slurm_cl
     with pytest.raises(PermissionError):
         os.open(theirs, os.O_RDWR | os.O_CREAT)
     os.close(os.open(theirs, os.O_RDWR))  # without O_CREAT it opens
+
+
+NODE_VIEW = """#!/bin/bash
+echo HOSTNAME=$(hostname)
+echo RESOLVED=$(python3 -c 'import socket; print(socket.gethostbyname(socket.gethostname()))')
+echo ADDRESSES=$(ip -o -4 addr show | awk '{print $2 "=" $4}' | sort | paste -sd ' ')
+"""
+
+
+def test_the_debian_node_resolves_its_hostname_to_127_0_1_1_and_has_a_routable_address(
+    slurm_cluster: SlurmCluster, tmp_path: Path
+) -> None:
+    seen = {}
+    for partition in (slurm_cluster.debian_partition, slurm_cluster.partition):
+        out = tmp_path / f"{partition}.out"
+        job_id = slurm_cluster.submit(NODE_VIEW, f"--partition={partition}", f"--output={out}")
+        assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
+        seen[partition] = read_vars(out)
+    addresses = "lo=127.0.0.1/8 lo=127.0.0.2/8 relax0=10.77.0.1/24"
+    assert seen[slurm_cluster.debian_partition] == {"HOSTNAME": "d1", "RESOLVED": "127.0.1.1", "ADDRESSES": addresses}
+    # The other nodes keep this host's name and /etc/hosts.
+    assert seen[slurm_cluster.partition]["HOSTNAME"] == socket.gethostname() != "d1"
+    assert seen[slurm_cluster.partition]["RESOLVED"] == socket.gethostbyname(socket.gethostname())
 
 
 def test_squeue_json_lists_a_pending_job(slurm_cluster: SlurmCluster) -> None:
