@@ -99,6 +99,8 @@ MAX_ROOT_LEN = 60
 # mknod like /dev/nvidiaK (c 195 K): a job's gres sets CUDA_VISIBLE_DEVICES to
 # the indices it got. task/affinity binds every task to the CPUs its job or
 # step was given (os.sched_getaffinity shows them), as sites' task plugins do.
+# No CredType line: 20.11 calls it CryptoType (renamed in 21.08), and munge is
+# the default under either name; the fixture must start any Slurm on PATH.
 SLURM_CONF_TEMPLATE = """\
 ClusterName=relax-test
 SlurmctldHost=localhost
@@ -108,7 +110,6 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={root}/munge/munge.socket.2,cred_expire={cred_expire}
-CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/run/slurmctld.pid
