@@ -1,0 +1,130 @@
+"""The batch step's srun steps on the real test cluster (tests/slurm_cluster.py: task/affinity binds each
+step to the CPUs it was given, and the n nodes have stand-in GPUs as gres).
+
+Each test submits a real job whose batch step is a small program driving `JobSteps`
+(entrypoints/slurm_steps.py) as the supervisor does, with a probe in place of the Ray node and the driver:
+the probe writes what its step got (os.sched_getaffinity, CUDA_VISIBLE_DEVICES, SLURM_STEP_GPUS) and
+stays a while, so the driver's step must start beside a running Ray node step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import TERMINAL_STATES, SlurmCluster, wait_until
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+PROBE = """\
+import json, os, sys, time
+out = sys.argv[1]
+seen = {"cpus": sorted(os.sched_getaffinity(0)), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "step_gpus": os.environ.get("SLURM_STEP_GPUS"), "step": os.environ.get("SLURM_STEP_ID")}
+with open(out + ".tmp", "w") as f:
+    json.dump(seen, f)
+os.replace(out + ".tmp", out)
+time.sleep(float(sys.argv[2]))
+"""
+
+# The batch step: a Ray node step of the train group, then the driver's step beside it, supervised.
+# `blocked` names a step started without --overlap after a step that holds all of the job's CPUs (as
+# before Slurm 22.05 --overlap shared only CPUs while a step kept all of the job's GPUs and memory).
+SUPERVISOR = """\
+import json, subprocess, sys, time
+from pathlib import Path
+from relax_core.config import load_recipe
+from relax_core.entrypoints.slurm_steps import Allocation, JobSteps
+from relax_core.launch.rundir import RunDir
+
+tmp, overrides, blocked = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+recipe = load_recipe(sys.argv[4], overrides)
+run = RunDir(tmp / "run")
+run.logs.mkdir(parents=True, exist_ok=True)
+alloc = Allocation.from_environ(recipe.cluster.groups, recipe)
+steps = JobSteps(recipe, run, alloc)
+node = alloc.groups["train"][0]
+if blocked != "none":
+    holder = subprocess.Popen(["srun", "--exact", "--ntasks=1", "--cpus-per-task=2", "--job-name=holder",
+                               "sleep", "120"])
+    time.sleep(2)
+    command = steps.step_command
+    def step_command(group, node_, name, argv, driver=False):
+        own = (name == "driver") == (blocked == "driver")
+        return [a for a in command(group, node_, name, argv, driver) if a != "--overlap" or not own]
+    steps.step_command = step_command
+start = time.monotonic()
+steps.nodes.append(steps.srun("train", node, f"ray-{node}", ["relax_probe", str(tmp / "node.json"), "40"],
+                              run.logs / f"ray-{node}.log"))
+if blocked == "none":
+    while not (tmp / "node.json").exists():
+        time.sleep(0.1)
+stay = "40" if blocked == "node" else "0"  # a driver that ends would end the supervision first
+steps.driver = steps.srun("train", node, "driver", ["relax_probe", str(tmp / "driver.json"), stay],
+                          run.logs / "driver-step.log", driver=True)
+code, failure = steps.supervise()
+result = {"code": code, "failure": failure, "seconds": time.monotonic() - start,
+          "node_running": steps.nodes[0].proc.poll() is None}
+steps.stop()
+(tmp / "result.json").write_text(json.dumps(result))
+"""
+
+
+def run_supervisor(cluster: SlurmCluster, tmp_path: Path, overrides: list[str], blocked: str,
+                   sbatch: list[str]) -> dict:
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "relax_probe.py").write_text(PROBE)
+    program = tmp_path / "supervisor.py"
+    program.write_text(SUPERVISOR)
+    script = (f"#!/bin/bash\nexport PYTHONPATH={tmp_path / 'probe'}:{REPO}\n"
+              f"exec {sys.executable} {program} {tmp_path} '{json.dumps(overrides)}' {blocked} {QUICKSTART}\n")
+    job = cluster.submit(script, "--nodes=1", "--cpus-per-task=2", f"--output={tmp_path / 'job.out'}", *sbatch)
+    result = tmp_path / "result.json"
+    done = wait_until(lambda: result.exists() or cluster.job_state(job) in TERMINAL_STATES, 90, 0.2)
+    done = result.exists()
+    assert done, f"job {job}: no result\n{(tmp_path / 'job.out').read_text(errors='replace')}\n" + "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')}" for p in (tmp_path / "run" / "logs").glob("*"))
+    return json.loads(result.read_text())
+
+
+def test_a_ray_node_step_gets_its_groups_cpus_and_gpus_and_the_driver_starts_beside_it(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    gpus = getattr(slurm_cluster, "node_gpus", 0)
+    gpu_type = getattr(slurm_cluster, "node_gpu_type", None)
+    overrides = ["cluster.rollout.nodes=0", "cluster.train.cpus_per_node=2", f"cluster.train.gpus_per_node={gpus}"]
+    overrides += [f"cluster.train.gpu_type={gpu_type}"] if gpu_type else []
+    gres = [f"--gres=gpu:{gpu_type}:{gpus}"] if gpus else []
+    result = run_supervisor(slurm_cluster, tmp_path, overrides, "none", gres)
+    node, driver = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("node", "driver"))
+    print(f"Ray node step: {node}\ndriver step: {driver}")
+    assert result["code"] == 0 and result["failure"] is None and result["node_running"], result
+    assert len(node["cpus"]) == 2  # cluster.train.cpus_per_node, not the one CPU a plain step is bound to
+    assert len(driver["cpus"]) == 1
+    if gpus:
+        assert node["cuda"] == ",".join(str(i) for i in range(gpus)) and node["step_gpus"], node
+        assert not driver["cuda"] and not driver["step_gpus"], driver  # the driver holds no GPU
+
+
+# srun prints "step creation temporarily disabled" only after its first wait for the step (60 s or more:
+# src/srun/launch.c, step_wait), so the failure here may quote nothing of srun's yet.
+@pytest.mark.parametrize("blocked", ["driver", "node"])
+def test_a_step_slurm_does_not_start_fails_the_job_within_the_startup_timeout_naming_it(
+        slurm_cluster: SlurmCluster, tmp_path: Path, blocked: str) -> None:
+    started = time.monotonic()
+    result = run_supervisor(slurm_cluster, tmp_path, ["cluster.rollout.nodes=0", "cluster.train.cpus_per_node=1",
+                                                      "cluster.slurm.startup_timeout_s=5"], blocked, [])
+    print(f"{blocked}: {result}")
+    assert result["code"] is None and result["seconds"] < 5 + 10, result
+    failure = result["failure"]
+    what = "the driver step" if blocked == "driver" else "the Ray node step ray-"
+    assert f"Slurm did not start {what}" in failure and "on node n" in failure, failure
+    assert "cluster.slurm.startup_timeout_s" in failure and "srun said:" in failure, failure
+    assert str(tmp_path / "run" / "logs") in failure, failure
+    assert time.monotonic() - started < 60
+
