@@ -91,7 +91,8 @@ def metrics(run: Path) -> list[dict]:
 
 
 def logs_of(run: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run / "logs").glob("*")))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted((run / "logs").glob("*"))
+                     if p.is_file())  # logs/ray/ holds Ray's own logs, a folder per node
 
 
 @pytest.mark.slow
