@@ -1,5 +1,6 @@
 """`relax scale-rollout +N | -N | N [RUN]` and `relax scale-rollout --url URL [RUN]`: grow or shrink the
-rollout side of a running run (controller/elastic.py does it; this asks the run's control API)."""
+rollout side of a running run (controller/elastic.py does it; this asks the run's control API through the
+run directory, launch/control.py, so it works from a login node that cannot reach the driver's node)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,10 @@ local run), on a socket bound before it starts, and answers every request
 without `Authorization: Bearer <token>` with 401, the schema included. The
 token is the run's `secrets/api_token` (mode 0600, in a folder of mode 0700);
 run.json records the URL (`api_url`) and the token's path (`api_token_file`),
-which is how the CLI finds both. Every answer is JSON; an error is
+which is how programs on the cluster's network find both. The CLI, often on a login
+node that cannot reach the driver's node, asks through the run directory instead
+(launch/control.py): the driver relays each request its own user wrote there to
+this API and writes the answer back. Every answer is JSON; an error is
 `{"error": message}` with 400 (impossible), 401, 404 or 409 (an operation is
 running; a non-pending one cannot be cancelled).
 """
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 TOKEN_NAME = "api_token"
 START_TIMEOUT_S = 30.0
 PROBE_TIMEOUT_S = 2.0  # asking an engine for its weight version and load
+RELAY_POLL_S = 0.2  # how often the driver looks for requests in the run directory
+RELAY_METHODS = ("GET", "POST", "DELETE")
 
 
 class ScaleRequest(BaseModel):
@@ -148,6 +153,8 @@ class ControlApi:
         self.run, self.elastic, self.host, self._status = run, elastic, host, status
         self._server = None
         self._thread: threading.Thread | None = None
+        self._relay_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
         self.url: str | None = None
 
     @classmethod
@@ -177,12 +184,53 @@ class ControlApi:
             time.sleep(0.01)
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{port}"
+        self._relay_thread = threading.Thread(target=self._relay, name="relax-api-files", daemon=True)
+        self._relay_thread.start()
         self.run.update_state(api_url=self.url, api_token_file=str(token_file))
-        log.info("control API on %s (token: %s)", self.url, token_file)
+        log.info("control API on %s (token: %s); requests also through %s", self.url, token_file,
+                 self.run.path / "control")
+
+    def _relay(self) -> None:
+        """Carry out the requests the CLI leaves in the run directory (launch/control.py) by asking this API,
+        and write each answer back; what this user did not write alone is removed unread."""
+        from relax_core.launch.control import control_folder
+
+        folder = control_folder(self.run)
+        headers = {"Authorization": f"Bearer {self.run.secret(TOKEN_NAME)}"}
+        while not self._stopping.wait(RELAY_POLL_S):
+            for request in sorted(folder.glob("*.request.json")):
+                try:
+                    self._answer(request, headers)
+                except OSError:
+                    log.exception("control request %s: no answer written", request.name)
+
+    def _answer(self, request, headers: dict[str, str]) -> None:
+        import httpx
+
+        from relax_core.launch.control import read_trusted, write_private
+
+        try:
+            asked = read_trusted(request)
+        except PermissionError as exc:
+            log.warning("control request not obeyed: %s", exc)
+            asked = None
+        request.unlink(missing_ok=True)
+        if not asked or asked.get("method") not in RELAY_METHODS or not str(asked.get("path")).startswith("/v1/"):
+            return
+        try:
+            response = httpx.request(asked["method"], f"{self.url}{asked['path']}", json=asked.get("json"),
+                                     headers=headers, timeout=60)
+            status, body = response.status_code, response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            status, body = 500, {"error": f"the control API failed the request: {exc}"}
+        answer = request.with_name(request.name.removesuffix(".request.json") + ".answer.json")
+        write_private(answer, {"status": status, "body": body})
 
     def stop(self) -> None:
+        self._stopping.set()
         if self._server is not None:
             self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in (self._thread, self._relay_thread):
+            if thread is not None:
+                thread.join(timeout=10)
         self.run.update_state(api_url=None)

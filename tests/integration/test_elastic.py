@@ -183,3 +183,45 @@ def test_a_local_run_grows_and_shrinks_while_it_trains(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert max(r["staleness_max"] for r in rows) <= 1
     assert 2.0 in [r["engines"] for r in rows] and rows[-1]["engines"] == 1.0
+
+
+@pytest.mark.slow
+def test_scale_rollout_reaches_the_driver_through_the_run_directory_and_obeys_only_its_owner(tmp_path):
+    """A login node often cannot reach the driver's compute node: with the API's recorded address
+    unreachable, `relax scale-rollout +1` still grows the run, through requests in the run directory.
+    A request there that another user could have written (group/world-writable, another owner) is
+    removed unread."""
+    run, out = tmp_path / "run", tmp_path / "driver.out"
+    driver = start_relax("submit", str(QUICKSTART), *ELASTIC_RUN, "train.steps=1000", "--executor", "local",
+                         "--run-dir", "run", cwd=tmp_path, out=out)
+    try:
+        wait_for(lambda: api_up(run, driver, out), 300, "the control API and step 1", poll=0.2)
+        api = Api(run)  # the test's own way in
+        control = run / "control"
+        assert oct(control.stat().st_mode & 0o777) == "0o700"
+        state = json.loads((run / "run.json").read_text())
+        (run / "run.json").write_text(json.dumps(state | {"api_url": "http://192.0.2.1:9"}))  # not reachable
+
+        forged = {"method": "POST", "path": "/v1/scale", "json": {"delta": 1}}
+        for name, mode, owner in (("writable", 0o666, os.getuid()), ("others", 0o600, 65534)):
+            path = control / f"{name}.request.json"
+            path.write_text(json.dumps(forged))
+            path.chmod(mode)
+            os.chown(path, owner, -1)
+            wait_for(lambda p=path: not p.exists(), 10, f"the driver to remove {path.name}", poll=0.1)
+            assert not (control / f"{name}.answer.json").exists()
+        assert api.get("/v1/scale").json()["operations"] == []  # neither was obeyed
+        driver_log = (run / "logs" / "driver.log").read_text()
+        assert "writable by others" in driver_log and "owned by uid 65534" in driver_log
+
+        grow = relax("scale-rollout", "+1", "run", cwd=tmp_path, timeout=240)
+        assert grow.returncode == 0, grow.stdout + grow.stderr
+        op = api.get("/v1/scale").json()["operations"][-1]
+        assert op["state"] == "active" and f"engines: {op['engines'][0]} serving" in grow.stdout
+        assert list(control.iterdir()) == []  # every request answered, every answer taken
+        driver.send_signal(signal.SIGTERM)
+        assert driver.wait(timeout=120) == 3, out.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
