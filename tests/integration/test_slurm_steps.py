@@ -128,3 +128,95 @@ def test_a_step_slurm_does_not_start_fails_the_job_within_the_startup_timeout_na
     assert str(tmp_path / "run" / "logs") in failure, failure
     assert time.monotonic() - started < 60
 
+
+# The batch step of the signal tests: the supervisor's own signal handling and ending (slurm_job.py) around a
+# driver stand-in that has checkpointed step 1 (the run made progress) and, on USR1, stops as the driver does.
+# A requeued job's second start only records that it ran.
+SIGNALLED = """\
+import os, sys
+from pathlib import Path
+from relax_core.config import load_recipe
+from relax_core.entrypoints.slurm_job import DRIVER_STOPPED, finish, stop_on_signals
+from relax_core.entrypoints.slurm_steps import Allocation, JobSteps
+from relax_core.launch.rundir import RunDir
+
+tmp = Path(sys.argv[1])
+run = RunDir(tmp / "run")
+if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+    (tmp / "restarted").write_text(os.environ["SLURM_RESTART_COUNT"])
+    sys.exit(0)
+run.logs.mkdir(parents=True, exist_ok=True)
+recipe = load_recipe(sys.argv[2], ["cluster.rollout.nodes=0", "cluster.train.cpus_per_node=1"])
+alloc = Allocation.from_environ(recipe.cluster.groups, recipe)
+run.update_state(state="running", job_id=str(alloc.job_id), checkpoint_step=0)
+steps = JobSteps(recipe, run, alloc)
+signalled = stop_on_signals(run, steps)
+stand_in = ("import signal, sys, time\\n"
+            "from pathlib import Path\\n"
+            "from relax_core.launch.rundir import RunDir\\n"
+            "run = RunDir(Path(sys.argv[1]))\\n"
+            "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(%d))\\n"
+            "run.update_state(checkpoint_step=1)\\n"
+            "time.sleep(300)\\n" % DRIVER_STOPPED)
+(tmp / "probe" / "driver_stand_in.py").write_text(stand_in)
+steps.driver = steps.srun("train", alloc.groups["train"][0], "driver", ["driver_stand_in", str(run.path)],
+                          run.logs / "driver-step.log", driver=True)
+(tmp / "ready").write_text("")
+code, failure = steps.supervise()
+steps.stop()
+sys.exit(finish(run, alloc, code, failure, 0, bool(signalled)))
+"""
+
+
+def start_signalled_job(cluster: SlurmCluster, tmp_path: Path, *sbatch: str) -> int:
+    (tmp_path / "probe").mkdir()
+    program = tmp_path / "signalled.py"
+    program.write_text(SIGNALLED)
+    script = (f"#!/bin/bash\nexport PYTHONPATH={tmp_path / 'probe'}:{REPO}\n"
+              f"exec {sys.executable} {program} {tmp_path} {QUICKSTART}\n")
+    job = cluster.submit(script, "--nodes=1", "--cpus-per-task=2", "--requeue", f"--output={tmp_path / 'job.out'}",
+                         *sbatch)
+    run = tmp_path / "run" / "run.json"
+    progressed = wait_until(lambda: (tmp_path / "ready").exists() and run.exists()
+                            and json.loads(run.read_text()).get("checkpoint_step") == 1, 60, 0.2)
+    assert progressed, (tmp_path / "job.out").read_text(errors="replace")
+    return job
+
+
+def test_sigterm_from_slurm_requeues_a_job_that_made_progress(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """SIGTERM to the batch step and every step, as Slurm's time limit and an administrator's scancel send it:
+    the run is requeued (it made progress) and its job starts again."""
+    job = start_signalled_job(slurm_cluster, tmp_path)
+    slurm_cluster.run(["scancel", "--signal=TERM", "--full", str(job)])
+    assert wait_until((tmp_path / "restarted").exists, 60, 0.2), (tmp_path / "job.out").read_text(errors="replace")
+    assert (tmp_path / "restarted").read_text() == "1"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "requeued"
+
+
+def test_the_users_cancel_is_never_requeued(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """`relax cancel` (SlurmExecutor.cancel) of a run that made progress: the job ends cancelled, not requeued."""
+    from relax_core.launch.rundir import RunDir
+    from relax_core.launch.slurm import SlurmExecutor
+
+    job = start_signalled_job(slurm_cluster, tmp_path)
+    run = RunDir(tmp_path / "run")
+    SlurmExecutor().cancel(run, run.read_state())
+    slurm_cluster.wait_for_state(job, ("CANCELLED",), timeout=30)
+    time.sleep(slurm_cluster.cred_expire + 5)  # a requeued job would start again by now
+    assert not (tmp_path / "restarted").exists() and slurm_cluster.job_state(job) == "CANCELLED"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "cancelled"
+
+
+def test_a_preempted_job_is_requeued_at_once(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A site's preemption (PreemptMode=REQUEUE, GraceTime): SIGTERM reaches the steps, not the batch step; the
+    steps end, and the batch step, seeing Slurm's PreemptTime, requeues the job instead of failing the run (and
+    before the grace time is over: a job that ended by then is not requeued by Slurm)."""
+    partition = getattr(slurm_cluster, "preemptible_partition", None)
+    assert partition, "tests/slurm_cluster.py has no preemption partition"
+    job = start_signalled_job(slurm_cluster, tmp_path, f"--partition={partition}", "--nodelist=n1")
+    preempted = time.monotonic()
+    slurm_cluster.preempt("n1")
+    assert wait_until((tmp_path / "restarted").exists, 90, 0.2), (tmp_path / "job.out").read_text(errors="replace")
+    print(f"preempted -> started again {time.monotonic() - preempted:.1f}s later")
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "requeued"
+    assert slurm_cluster.job_info(job)["Restarts"] == "1"
