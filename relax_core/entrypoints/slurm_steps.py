@@ -135,8 +135,9 @@ def srun_command(recipe: Recipe, run: RunDir, group: str, node: str, job_name: s
             f"--job-name={job_name}", *prefix, python, "-m", *argv]
 
 
-def running_steps(job_ids: set[int]) -> set[tuple[str, str]] | None:
-    """(step name, node) of every step Slurm runs for these jobs (het components); None if squeue failed."""
+def running_steps(job_ids: set[int]) -> dict[tuple[str, str], str] | None:
+    """Slurm's id (`JOB.STEP`) of every step it runs for these jobs (het components), by (step name, node);
+    None if squeue failed."""
     try:
         proc = subprocess.run(["squeue", "--steps", "--noheader", "--user", getpass.getuser(), "--format=%i|%j|%N"],
                               capture_output=True, text=True, timeout=30)
@@ -144,13 +145,13 @@ def running_steps(job_ids: set[int]) -> set[tuple[str, str]] | None:
         return None
     if proc.returncode != 0:
         return None
-    steps = set()
+    steps = {}
     for line in proc.stdout.splitlines():
         step_id, _, rest = line.strip().partition("|")
         name, _, nodes = rest.partition("|")
         job = step_id.split(".")[0].split("+")[0]
         if job.isdigit() and int(job) in job_ids:
-            steps.add((name, nodes))
+            steps[(name, nodes)] = step_id
     return steps
 
 
@@ -215,7 +216,7 @@ class JobSteps:
         waiting = [s for s in [*self.nodes, self.driver] if s is not None and not s.started]
         if not waiting:
             return None
-        running = running_steps(set(range(self.alloc.job_id, self.alloc.job_id + len(self.alloc.groups))))
+        running = running_steps(self.job_ids())
         timeout = self.recipe.cluster.slurm.startup_timeout_s
         for step in waiting:
             if step.proc.poll() is not None or (running is not None and (step.name, step.node) in running):
@@ -250,7 +251,27 @@ class JobSteps:
                 return None, stuck
             time.sleep(poll_s)
 
-    def stop(self) -> None:
-        """Stop every step this job started (driver first), by its process group."""
-        for step in ([self.driver] if self.driver else []) + list(reversed(self.nodes)):
+    def job_ids(self) -> set[int]:
+        """The ids of this job's het components (the leader's and the ones after it; one for a plain job)."""
+        return set(range(self.alloc.job_id, self.alloc.job_id + len(self.alloc.groups)))
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop every step this job started, the driver first. The Ray node steps get SIGTERM through Slurm
+        (`scancel --signal=TERM JOB.STEP`), as at the job's end, so each node saves Ray's logs into the run
+        directory before it ends (cluster/ray_logs.py): srun itself answers a SIGTERM by killing its tasks at
+        once ("forcing job termination"). A step still running `grace_s` later is stopped by its process group."""
+        if self.driver is not None:
+            terminate(self.driver.proc)
+        live = [step for step in reversed(self.nodes) if step.proc.poll() is None]
+        ids = (running_steps(self.job_ids()) or {}) if live else {}
+        for step in live:
+            if (step.name, step.node) in ids:
+                subprocess.run(["scancel", "--signal=TERM", ids[(step.name, step.node)]], capture_output=True,
+                               timeout=30)
+        deadline = time.monotonic() + grace_s
+        for step in live:
+            try:
+                step.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
             terminate(step.proc)

@@ -108,6 +108,8 @@ def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp
     state = json.loads((run / "run.json").read_text())
     assert state["nodes"] == {"train": ["n1"], "rollout": ["n2"]}
     assert (run / "logs" / "ray-n2.log").is_file()
+    for node in ("n1", "n2"):  # each node's Ray logs, saved as the job stopped its steps
+        assert list((run / "logs" / "ray" / node).glob("session_*/raylet.out")), logs_of(run)
     token = run / "secrets" / "ray_token"
     assert oct(token.stat().st_mode & 0o777) == "0o600"
 
