@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every step (and scale-out job) inherits this: the hub offline, its cache the one `relax submit` filled.
     os.environ.update(hub_env(recipe, run.path))
     alloc = Allocation.from_environ(recipe.cluster.groups, recipe)
+    if alloc.sharing() is not None:
+        return _failed(run, alloc.sharing())
     start_step = run.read_state().get("checkpoint_step", 0)
     head_lease = lease_ports(alloc.job_id, 0)  # this step runs on the head's machine, and holds it until it ends
     head = head_address(recipe, head_lease.ports)

@@ -74,6 +74,22 @@ class Allocation:
         groups = {name: hostnames(env[f"SLURM_JOB_NODELIST_HET_GROUP_{i}"]) for i, name in enumerate(group_names)}
         return cls(*job, groups)
 
+    def sharing(self) -> str | None:
+        """Why this allocation cannot run, when Slurm gave one node to two het groups (its docs allow it where
+        the node has room for both): each node runs one Ray node, which would advertise both groups' resource
+        and write one log. None when every node is in one group."""
+        shared = {}
+        for group, names in self.groups.items():
+            for name in names:
+                shared.setdefault(name, []).append(group)
+        both = {name: groups for name, groups in shared.items() if len(groups) > 1}
+        if not both:
+            return None
+        named = ", ".join(f"{name} ({' and '.join(groups)})" for name, groups in both.items())
+        return (f"Slurm gave node {named} to two het groups, and a node runs one Ray node: give the groups "
+                f"nodes of their own (cluster.slurm.extra_sbatch: ['--exclusive']), or make them one plain job "
+                f"(cluster.slurm.layout: single, when they ask for the same nodes)")
+
     def nodes(self) -> list[tuple[str, str, int]]:
         """(name, group, index) of every node, in het-group order; index = position in the job (0 = the head)."""
         ordered = [(name, group) for group, names in self.groups.items() for name in names]

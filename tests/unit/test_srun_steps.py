@@ -99,6 +99,18 @@ def test_a_het_job_is_read_per_component(slurm_conf, monkeypatch):
     assert "--het-group=1" in JobSteps(recipe, RUN, alloc).step_command("rollout", "gpu11", "r", ["x"])
 
 
+def test_a_node_slurm_gives_to_two_het_groups_is_refused_naming_it(slurm_conf, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_JOB_NODELIST_HET_GROUP_0", "gpu07")
+    monkeypatch.setenv("SLURM_JOB_NODELIST_HET_GROUP_1", "gpu[07-08]")
+    recipe = load_recipe(REPO / "recipes/omni_avqa.yaml", ["cluster.rollout.nodes=2"])
+    why = Allocation.from_environ(recipe.cluster.groups, recipe).sharing()
+    assert why is not None and why.startswith("Slurm gave node gpu07 (train and rollout) to two het groups")
+    assert "cluster.slurm.layout: single" in why
+    monkeypatch.setenv("SLURM_JOB_NODELIST_HET_GROUP_1", "gpu[08,11]")
+    assert Allocation.from_environ(recipe.cluster.groups, recipe).sharing() is None
+
+
 def test_the_scale_out_jobs_are_cancelled_before_the_steps_are_stopped():
     """scancel frees a scale-out job's nodes at once; stopping this job's steps may take each its grace time."""
     order: list[str] = []
