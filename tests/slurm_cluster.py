@@ -309,7 +309,7 @@ class SlurmCluster:
         hosts = self.root / "hosts"
         hosts.write_text(debian_hosts(self.debian_node))
         self._daemon(with_own_hostname(self.debian_node, hosts, ["slurmd", "-N", self.debian_node]))
-        if not wait_until(self._all_idle, timeout, interval=0.2):
+        if not wait_until(self.all_idle, timeout, interval=0.2):
             raise RuntimeError(f"Slurm nodes not idle after {timeout:.0f} s:\n{self.diagnostics()}")
 
     def stop(self) -> None:
@@ -366,7 +366,7 @@ class SlurmCluster:
         if proc.returncode != 0:
             raise RuntimeError(f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr}\n{self.diagnostics()}")
 
-    def _all_idle(self) -> bool:
+    def all_idle(self) -> bool:
         proc = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False, timeout=10)
         states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
         return proc.returncode == 0 and all(states.get(node) == "idle" for node in self.all_node_names)

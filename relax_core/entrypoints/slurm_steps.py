@@ -43,7 +43,9 @@ from relax_core.launch.rundir import RunDir
 INHERITED_RESOURCES = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_SOCKET", "SLURM_GPUS_PER_TASK",
                        "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "SLURM_MEM_PER_NODE",
                        "SLURM_GRES", "SLURM_STEP_GRES", "SLURM_TRES_PER_TASK")
-DRIVER_RESOURCES = ["--cpus-per-task=1", "--gres=none", "--mem=0"]
+# `--exact`: the step binds only the CPUs it asks for (implied by --cpus-per-task from 21.08; on 20.11 a step
+# got every CPU of the job on the node).
+DRIVER_RESOURCES = ["--cpus-per-task=1", "--exact", "--gres=none", "--mem=0"]
 
 
 @dataclass
@@ -124,10 +126,9 @@ class Step:
 
 def node_resources(group: NodeGroup) -> list[str]:
     """What a Ray node step of `group` asks Slurm for: the group's cores, GPUs and all of the job's memory."""
-    gpu_type = getattr(group, "gpu_type", None)
-    gres = f"--gres=gpu:{gpu_type + ':' if gpu_type else ''}{group.gpus_per_node}" if group.gpus_per_node \
-        else "--gres=none"
-    return [f"--cpus-per-task={group.cpus_per_node}", gres, "--mem=0"]
+    gpu_type = f"{group.gpu_type}:" if group.gpu_type else ""
+    gres = f"--gres=gpu:{gpu_type}{group.gpus_per_node}" if group.gpus_per_node else "--gres=none"
+    return [f"--cpus-per-task={group.cpus_per_node}", "--exact", gres, "--mem=0"]
 
 
 def srun_env(environ: dict[str, str] | None = None) -> dict[str, str]:

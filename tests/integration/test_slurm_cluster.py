@@ -42,6 +42,8 @@ def wait_for_text(path: Path, text: str, timeout: float = 20.0) -> None:
 def test_sinfo_shows_every_node_idle_and_clients_use_the_test_conf(slurm_cluster: SlurmCluster) -> None:
     assert os.environ["SLURM_CONF"] == str(slurm_cluster.conf_path)
     assert not str(slurm_cluster.conf_path).startswith("/etc/")
+    # A node may still be completing an earlier test's job (longer on 20.11): ask once every node is idle.
+    assert wait_until(slurm_cluster.all_idle, 30, 0.5), slurm_cluster.diagnostics()
     out = slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %P %t %c %m %G"]).stdout
     assert sorted(out.split("\n")[:-1]) == [
         "d1 debian idle 2 4000 (null)",

@@ -33,7 +33,7 @@ def test_a_ray_node_step_asks_for_its_groups_cores_gpus_and_the_jobs_memory():
     steps = JobSteps(recipe, RUN, Allocation(7, 0, {"train": ["g1"], "rollout": ["g2"]}))
     node = options(steps.step_command("rollout", "g2", "ray-g2", ["relax_core.cluster.node"]))
     assert node == ["--het-group=1", "--nodes=1", "--ntasks=1", "--nodelist=g2", "--overlap",
-                    "--cpus-per-task=64", "--gres=gpu:8", "--mem=0", "--job-name=ray-g2"]
+                    "--cpus-per-task=64", "--exact", "--gres=gpu:8", "--mem=0", "--job-name=ray-g2"]
 
 
 def test_the_driver_step_takes_one_cpu_no_gpu_and_reserves_no_memory():
@@ -42,19 +42,18 @@ def test_the_driver_step_takes_one_cpu_no_gpu_and_reserves_no_memory():
     driver = options(steps.step_command("train", "g1", "driver", ["relax_core.entrypoints.slurm_driver"],
                                         driver=True))
     assert driver == ["--het-group=0", "--nodes=1", "--ntasks=1", "--nodelist=g1", "--overlap",
-                      "--cpus-per-task=1", "--gres=none", "--mem=0", "--job-name=driver"]
+                      "--cpus-per-task=1", "--exact", "--gres=none", "--mem=0", "--job-name=driver"]
 
 
 def test_a_cpu_group_asks_for_no_gres_and_a_typed_gpu_group_names_its_type():
     recipe = load_recipe(REPO / "recipes/quickstart.yaml", ["cluster.rollout.nodes=1",
                                                             "cluster.rollout.cpus_per_node=3"])
     steps = JobSteps(recipe, RUN, Allocation(7, 0, {"train": ["n1"], "rollout": ["n2"]}))
-    assert options(steps.step_command("rollout", "n2", "ray-n2", ["x"]))[5:8] == [
-        "--cpus-per-task=3", "--gres=none", "--mem=0"]
-    if "gpu_type" in type(recipe.cluster.train).model_fields:
-        typed = load_recipe(REPO / "recipes/omni_avqa.yaml", ["cluster.train.gpu_type=a100"])
-        steps = JobSteps(typed, RUN, Allocation(7, 0, {"train": ["g1"], "rollout": ["g2"]}))
-        assert "--gres=gpu:a100:8" in options(steps.step_command("train", "g1", "ray-g1", ["x"]))
+    assert options(steps.step_command("rollout", "n2", "ray-n2", ["x"]))[5:9] == [
+        "--cpus-per-task=3", "--exact", "--gres=none", "--mem=0"]
+    typed = load_recipe(REPO / "recipes/omni_avqa.yaml", ["cluster.train.gpu_type=a100"])
+    steps = JobSteps(typed, RUN, Allocation(7, 0, {"train": ["g1"], "rollout": ["g2"]}))
+    assert "--gres=gpu:a100:8" in options(steps.step_command("train", "g1", "ray-g1", ["x"]))
 
 
 def test_srun_does_not_inherit_the_jobs_gpu_and_memory_options():
