@@ -39,10 +39,13 @@ from pathlib import Path
 from relax_core.config.schema import NodeGroup, Recipe
 from relax_core.launch.rundir import RunDir
 
-# Variables sbatch sets for the job's resources that srun would read as options of every step.
+# Variables sbatch sets for the job's resources that srun would read as options of every step, and the job's
+# GPU visibility (Slurm sets a step's own for the GPUs it asks for; before 22.05 a step with --gres=none kept
+# the job's, so the driver saw every GPU of the node).
 INHERITED_RESOURCES = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_SOCKET", "SLURM_GPUS_PER_TASK",
                        "SLURM_CPUS_PER_GPU", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "SLURM_MEM_PER_NODE",
-                       "SLURM_GRES", "SLURM_STEP_GRES", "SLURM_TRES_PER_TASK")
+                       "SLURM_GRES", "SLURM_STEP_GRES", "SLURM_TRES_PER_TASK", "CUDA_VISIBLE_DEVICES",
+                       "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
 # `--exact`: the step binds only the CPUs it asks for (implied by --cpus-per-task from 21.08; on 20.11 a step
 # got every CPU of the job on the node).
 DRIVER_RESOURCES = ["--cpus-per-task=1", "--exact", "--gres=none", "--mem=0"]

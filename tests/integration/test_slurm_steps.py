@@ -57,7 +57,9 @@ if blocked != "none":
     command = steps.step_command
     def step_command(group, node_, name, argv, driver=False):
         own = (name == "driver") == (blocked == "driver")
-        return [a for a in command(group, node_, name, argv, driver) if a != "--overlap" or not own]
+        # --exclusive for the blocked step: CPUs no other step uses (20.11 shares a step's CPUs without it)
+        argv_ = command(group, node_, name, argv, driver)
+        return [("--exclusive" if own else a) if a == "--overlap" else a for a in argv_]
     steps.step_command = step_command
 start = time.monotonic()
 steps.nodes.append(steps.srun("train", node, f"ray-{node}", ["relax_probe", str(tmp / "node.json"), "40"],

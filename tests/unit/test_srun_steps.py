@@ -58,7 +58,8 @@ def test_a_cpu_group_asks_for_no_gres_and_a_typed_gpu_group_names_its_type():
 
 def test_srun_does_not_inherit_the_jobs_gpu_and_memory_options():
     batch = {"SLURM_JOB_ID": "7", "SLURM_GPUS_PER_NODE": "8", "SLURM_GPUS_PER_NODE_HET_GROUP_0": "8",
-             "SLURM_MEM_PER_NODE": "983040", "SLURM_MEM_PER_CPU": "4000", "SLURM_CPUS_PER_TASK": "64", "PATH": "/bin"}
+             "SLURM_MEM_PER_NODE": "983040", "SLURM_MEM_PER_CPU": "4000", "SLURM_CPUS_PER_TASK": "64", "PATH": "/bin",
+             "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert srun_env(batch) == {"SLURM_JOB_ID": "7", "SLURM_CPUS_PER_TASK": "64", "PATH": "/bin"}
 
 
