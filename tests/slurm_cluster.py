@@ -99,6 +99,10 @@ MAX_ROOT_LEN = 60
 # mknod like /dev/nvidiaK (c 195 K): a job's gres sets CUDA_VISIBLE_DEVICES to
 # the indices it got. task/affinity binds every task to the CPUs its job or
 # step was given (os.sched_getaffinity shows them), as sites' task plugins do.
+# Memory is a consumable resource (CR_Core_Memory, DefMemPerCPU), as at most
+# sites: a job asking --mem=0 gets its node's memory, and before 22.05 a step
+# with no --mem of its own takes all of it, so a second step waits (measured on
+# 20.11.4; a step with --mem=0 does not).
 # No CredType line: 20.11 calls it CryptoType (renamed in 21.08), and munge is
 # the default under either name; the fixture must start any Slurm on PATH.
 SLURM_CONF_TEMPLATE = """\
@@ -119,7 +123,8 @@ SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/affinity
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=1000
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,bf_hetjob_immediate,bf_hetjob_prio=min,sched_min_interval=100000,sched_interval=1
 SwitchType=switch/none

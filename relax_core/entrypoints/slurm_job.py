@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:  # another driver owns the run: leave its run.json alone
         print(f"relax: {exc}", file=sys.stderr, flush=True)
         return 2
+    if run.read_state().get("state") == "completed":
+        # Slurm 24.11 requeues a job that was preempted once more when its next run ends (measured on 24.11.5,
+        # tests/slurm_versions); an administrator's `scontrol requeue` does the same. The run is done: leave it.
+        print(f"relax: run {run.path} already completed; this restart of job "
+              f"{os.environ.get('SLURM_JOB_ID', '?')} does nothing", file=sys.stderr, flush=True)
+        return 0
     recipe = load_recipe(run.recipe)
     # Every step (and scale-out job) inherits this: the hub offline, its cache the one `relax submit` filled.
     os.environ.update(hub_env(recipe, run.path))

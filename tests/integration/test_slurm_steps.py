@@ -34,8 +34,10 @@ time.sleep(float(sys.argv[2]))
 """
 
 # The batch step: a Ray node step of the train group, then the driver's step beside it, supervised.
-# `blocked` names a step started without --overlap after a step that holds all of the job's CPUs (as
-# before Slurm 22.05 --overlap shared only CPUs while a step kept all of the job's GPUs and memory).
+# `blocked` names a step started without --overlap, asking for a GPU, after a step that holds all of the
+# job's CPUs and GPUs (as before Slurm 22.05 --overlap shared only CPUs while a step kept all of the job's
+# GPUs and memory). GPUs block it on 20.11 too, where a running --overlap step let an --exclusive one start
+# on the CPUs another step held (measured on 20.11.4).
 SUPERVISOR = """\
 import json, subprocess, sys, time
 from pathlib import Path
@@ -51,15 +53,17 @@ alloc = Allocation.from_environ(recipe.cluster.groups, recipe)
 steps = JobSteps(recipe, run, alloc)
 node = alloc.groups["train"][0]
 if blocked != "none":
-    holder = subprocess.Popen(["srun", "--exact", "--ntasks=1", "--cpus-per-task=2", "--job-name=holder",
-                               "sleep", "120"])
-    time.sleep(2)
+    holder = subprocess.Popen(["srun", "--exact", "--ntasks=1", "--cpus-per-task=2", f"--gres=gpu:{sys.argv[5]}",
+                               "--job-name=holder", "bash", "-c", f"touch {tmp / 'held'}; exec sleep 120"])
+    while not (tmp / "held").exists():  # the holder's step has its CPUs (20.11 starts steps more slowly)
+        time.sleep(0.1)
     command = steps.step_command
     def step_command(group, node_, name, argv, driver=False):
         own = (name == "driver") == (blocked == "driver")
-        # --exclusive for the blocked step: CPUs no other step uses (20.11 shares a step's CPUs without it)
+        # the blocked step: --exclusive (20.11 shares a step's CPUs without it) and a GPU the holder has
         argv_ = command(group, node_, name, argv, driver)
-        return [("--exclusive" if own else a) if a == "--overlap" else a for a in argv_]
+        swap = {"--overlap": "--exclusive", "--gres=none": "--gres=gpu:1"} if own else {}
+        return [swap.get(a, a) for a in argv_]
     steps.step_command = step_command
 start = time.monotonic()
 steps.nodes.append(steps.srun("train", node, f"ray-{node}", ["relax_probe", str(tmp / "node.json"), "40"],
@@ -85,7 +89,8 @@ def run_supervisor(cluster: SlurmCluster, tmp_path: Path, overrides: list[str], 
     program = tmp_path / "supervisor.py"
     program.write_text(SUPERVISOR)
     script = (f"#!/bin/bash\nexport PYTHONPATH={tmp_path / 'probe'}:{REPO}\n"
-              f"exec {sys.executable} {program} {tmp_path} '{json.dumps(overrides)}' {blocked} {QUICKSTART}\n")
+              f"exec {sys.executable} {program} {tmp_path} '{json.dumps(overrides)}' {blocked} {QUICKSTART} "
+              f"{cluster.node_gpus}\n")
     job = cluster.submit(script, "--nodes=1", "--cpus-per-task=2", f"--output={tmp_path / 'job.out'}", *sbatch)
     result = tmp_path / "result.json"
     done = wait_until(lambda: result.exists() or cluster.job_state(job) in TERMINAL_STATES, 90, 0.2)
@@ -102,7 +107,9 @@ def test_a_ray_node_step_gets_its_groups_cpus_and_gpus_and_the_driver_starts_bes
     overrides = ["cluster.rollout.nodes=0", "cluster.train.cpus_per_node=2", f"cluster.train.gpus_per_node={gpus}"]
     overrides += [f"cluster.train.gpu_type={gpu_type}"] if gpu_type else []
     gres = [f"--gres=gpu:{gpu_type}:{gpus}"] if gpus else []
-    result = run_supervisor(slurm_cluster, tmp_path, overrides, "none", gres)
+    # --mem=0: all of the node's memory to the job, as on GPU nodes; the test cluster tracks memory
+    # (CR_Core_Memory). Before 22.05 a step without --mem=0 would hold all of it and the driver would wait.
+    result = run_supervisor(slurm_cluster, tmp_path, overrides, "none", [*gres, "--mem=0"])
     node, driver = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("node", "driver"))
     print(f"Ray node step: {node}\ndriver step: {driver}")
     assert result["code"] == 0 and result["failure"] is None and result["node_running"], result
@@ -120,7 +127,8 @@ def test_a_step_slurm_does_not_start_fails_the_job_within_the_startup_timeout_na
         slurm_cluster: SlurmCluster, tmp_path: Path, blocked: str) -> None:
     started = time.monotonic()
     result = run_supervisor(slurm_cluster, tmp_path, ["cluster.rollout.nodes=0", "cluster.train.cpus_per_node=1",
-                                                      "cluster.slurm.startup_timeout_s=5"], blocked, [])
+                                                      "cluster.slurm.startup_timeout_s=5"], blocked,
+                            [f"--gres=gpu:{slurm_cluster.node_gpus}"])
     print(f"{blocked}: {result}")
     assert result["code"] is None and result["seconds"] < 5 + 10, result
     failure = result["failure"]
@@ -145,7 +153,8 @@ from relax_core.launch.rundir import RunDir
 tmp = Path(sys.argv[1])
 run = RunDir(tmp / "run")
 if os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
-    (tmp / "restarted").write_text(os.environ["SLURM_RESTART_COUNT"])
+    with open(tmp / "restarted", "a") as f:  # one line per restart: Slurm 24.11 requeues a preempted job twice
+        f.write(os.environ["SLURM_RESTART_COUNT"] + "\\n")
     sys.exit(0)
 run.logs.mkdir(parents=True, exist_ok=True)
 recipe = load_recipe(sys.argv[2], ["cluster.rollout.nodes=0", "cluster.train.cpus_per_node=1"])
@@ -191,7 +200,7 @@ def test_sigterm_from_slurm_requeues_a_job_that_made_progress(slurm_cluster: Slu
     job = start_signalled_job(slurm_cluster, tmp_path)
     slurm_cluster.run(["scancel", "--signal=TERM", "--full", str(job)])
     assert wait_until((tmp_path / "restarted").exists, 60, 0.2), (tmp_path / "job.out").read_text(errors="replace")
-    assert (tmp_path / "restarted").read_text() == "1"
+    assert (tmp_path / "restarted").read_text().split()[0] == "1"
     assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "requeued"
 
 
@@ -221,4 +230,26 @@ def test_a_preempted_job_is_requeued_at_once(slurm_cluster: SlurmCluster, tmp_pa
     assert wait_until((tmp_path / "restarted").exists, 90, 0.2), (tmp_path / "job.out").read_text(errors="replace")
     print(f"preempted -> started again {time.monotonic() - preempted:.1f}s later")
     assert json.loads((tmp_path / "run" / "run.json").read_text())["state"] == "requeued"
-    assert slurm_cluster.job_info(job)["Restarts"] == "1"
+    # Relax requeued it once: its first restart is restart 1 (Slurm 24.11 requeues it once more when that
+    # restart ends; a run that completed meanwhile is left alone, test_a_restart_of_a_completed_run_...).
+    assert (tmp_path / "restarted").read_text().split()[0] == "1"
+    assert int(slurm_cluster.job_info(job)["Restarts"]) >= 1
+
+
+def test_a_restart_of_a_completed_run_leaves_it_completed(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A job that starts again after its run completed (Slurm 24.11 requeues a preempted job once more when its
+    next run ends; an administrator's `scontrol requeue`) ends at once: nothing starts, run.json is unchanged."""
+    from relax_core.launch.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.update_state(state="completed", job_id="7", checkpoint_step=150, finished="2026-12-05T10:00:00")
+    before = (run.path / "run.json").read_bytes()
+    out = tmp_path / "job.out"
+    script = (f"#!/bin/bash\nexport PYTHONPATH={REPO}\n"
+              f"exec {sys.executable} -m relax_core.entrypoints.slurm_job {run.path}\n")
+    job = slurm_cluster.submit(script, "--nodes=1", f"--output={out}")
+    assert slurm_cluster.wait_for_state(job) == "COMPLETED", out.read_text(errors="replace")
+    assert (run.path / "run.json").read_bytes() == before
+    assert "already completed" in out.read_text()
+    assert not run.logs.exists() or not any(run.logs.iterdir())
