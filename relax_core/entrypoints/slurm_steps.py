@@ -3,7 +3,7 @@
 Every step states what it needs, so no site default and no Slurm version decides it:
 
     a Ray node   --cpus-per-task=<group's cpus_per_node> --gres=gpu[:<type>]:<gpus_per_node> (or none) --mem=0
-    the driver   --cpus-per-task=1 --gres=none --mem=0
+    the driver   --cpus-per-task=1 --gres=none --mem=0 --overcommit
 
 all with `--overlap`, so the driver and the head's Ray node share node 0. Why each:
 `srun` does not read the job's SLURM_CPUS_PER_TASK on 22.05 and 23.02 (its man
@@ -48,7 +48,10 @@ INHERITED_RESOURCES = ("SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_SOCK
                        "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL")
 # `--exact`: the step binds only the CPUs it asks for (implied by --cpus-per-task from 21.08; on 20.11 a step
 # got every CPU of the job on the node).
-DRIVER_RESOURCES = ["--cpus-per-task=1", "--exact", "--gres=none", "--mem=0"]
+# `--overcommit`: on 21.08 the driver's step in a job of several nodes waited forever ("Requested nodes are
+# busy") beside a Ray node step holding all of node 0's CPUs, though both asked --overlap (measured on 21.08.5,
+# tests/slurm_versions); with it the driver shares them, as it does on 20.11 and 22.05 to 24.11 without.
+DRIVER_RESOURCES = ["--cpus-per-task=1", "--exact", "--gres=none", "--mem=0", "--overcommit"]
 
 
 @dataclass

@@ -42,7 +42,8 @@ def test_the_driver_step_takes_one_cpu_no_gpu_and_reserves_no_memory():
     driver = options(steps.step_command("train", "g1", "driver", ["relax_core.entrypoints.slurm_driver"],
                                         driver=True))
     assert driver == ["--het-group=0", "--nodes=1", "--ntasks=1", "--nodelist=g1", "--overlap",
-                      "--cpus-per-task=1", "--exact", "--gres=none", "--mem=0", "--job-name=driver"]
+                      "--cpus-per-task=1", "--exact", "--gres=none", "--mem=0", "--overcommit",
+                      "--job-name=driver"]
 
 
 def test_a_cpu_group_asks_for_no_gres_and_a_typed_gpu_group_names_its_type():
