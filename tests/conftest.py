@@ -11,6 +11,8 @@ import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["pytester"]  # tests/unit/test_tiers.py runs pytest on small suites of its own
+
 
 @pytest.fixture
 def one_torch_thread():
@@ -48,11 +50,18 @@ def local_ray(tmp_path_factory):
 
 
 from slurm_cluster import mark_slurm_tests, slurm_cluster, slurm_version  # noqa: E402,F401  (session fixture)
+from tiers import pytest_terminal_summary, select_tier  # noqa: E402,F401  (a hook)
 
 
 def pytest_report_header(config):
     return f"slurm version: {slurm_version()}"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="run the full tier too: the tests marked `full` (see tests/tiers.py)")
+
+
 def pytest_collection_modifyitems(config, items):
     mark_slurm_tests(items)
+    select_tier(config, items)

@@ -10,13 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 100  # the recipe's
 
 
-@pytest.mark.slow
 def test_the_agentic_quickstart_doubles_its_reward(tmp_path):
     env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
     recipe = REPO / "recipes" / "quickstart_agent.yaml"

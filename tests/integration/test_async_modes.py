@@ -75,7 +75,6 @@ class Watched:
         return [i for _, ids, _ in self.trained for i in ids]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("bound", [1, 2])
 @pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
 def test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_steps_start(
@@ -98,7 +97,6 @@ def test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_step
     assert any(r["tis_weight"] != 1.0 for r in rows)  # the importance weight compared it with older policies
 
 
-@pytest.mark.slow
 def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_torch_thread):
     watched = Watched(tmp_path, monkeypatch, "mode=fully_async", "rollout.max_staleness=0", "train.steps=6")
     assert watched.run_loop() == "completed"
@@ -107,7 +105,6 @@ def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_t
         assert set(versions) == {step - 1}, step
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
 def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
     """`relax submit recipes/quickstart.yaml mode=...`, as a user types it but shorter (colocate, all 150 steps:
@@ -130,7 +127,6 @@ def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
     assert all(k in rows[-1] for k in ("queue_depth", "trainer_idle_s", "rollout_idle_s", "samples_per_s"))
 
 
-@pytest.mark.slow
 def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_the_driver(
         local_ray, tmp_path, monkeypatch, one_torch_thread):
     """fully_async with the reference service on (a KL loss, a reference node group): 2 trainer ranks,
@@ -180,7 +176,6 @@ def assert_same_steps(rows: list[dict], expected: list[dict], rel: float) -> Non
                 assert row[key] == pytest.approx(other[key], rel=rel, abs=1e-7), (row["step"], key)
 
 
-@pytest.mark.slow
 def test_fully_async_ppo_trains_as_hybrid_does_and_resumes(local_ray, tmp_path, monkeypatch, one_torch_thread):
     """PPO, two ranks, two optimizer steps per step (global batch 8 of 16 samples), one critic warmup step.
 

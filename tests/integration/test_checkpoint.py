@@ -288,7 +288,6 @@ def _rank_main(rank: int, world: int, port: int, root: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_two_gloo_ranks_save_and_resume(tmp_path):
     mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -321,7 +320,6 @@ def _rank0_section_main(rank: int, world: int, port: int, root: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_a_section_of_rank_0_alone_loads_whole_in_another_process(tmp_path):
     """DCP keeps one rank's copy of the saved paths; a section only rank 0 holds must be in it, or a fresh
     optimizer would get no Adam moments back."""

@@ -21,7 +21,6 @@ pytestmark = pytest.mark.slurm
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
 def test_a_container_job_runs_with_a_clean_environment_and_the_recipes_paths_bound(slurm_cluster, tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from relax_runs import relax
 from slurm_cluster import SlurmCluster
 from slurm_site import ROUTABLE_ADDRESS, ROUTABLE_INTERFACE
 
@@ -19,8 +20,7 @@ QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
 def relax_doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", "doctor", "--slurm", *args], capture_output=True,
-                          text=True, cwd=REPO, env=os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}, timeout=300)
+    return relax("doctor", "--slurm", *args, cwd=REPO, timeout=300)
 
 
 def test_doctor_slurm_reports_the_compute_node(slurm_cluster: SlurmCluster, tmp_path) -> None:

@@ -18,31 +18,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 from engine_fixtures import EngineServer
-from test_slurm_launch import wait_for
+from relax_runs import relax, start_relax, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
-ENV = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
 ELASTIC_RUN = ["mode=fully_async", "rollout.router=true", "rollout.max_staleness=1", "logging.backends=[]"]
-
-
-def relax(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def start_relax(*args: str, cwd: Path, out: Path) -> subprocess.Popen:
-    with out.open("w") as handle:
-        return subprocess.Popen([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=ENV, stdout=handle,
-                                stderr=subprocess.STDOUT)
 
 
 class Api:
@@ -105,7 +91,6 @@ def same_weights(first: str, second: str, key: str) -> tuple[str, float]:
     raise AssertionError("the two engines never answered at the same weight version")
 
 
-@pytest.mark.slow
 def test_a_local_run_grows_and_shrinks_while_it_trains(tmp_path):
     run, out = tmp_path / "run", tmp_path / "driver.out"
     driver = start_relax("submit", str(QUICKSTART), *ELASTIC_RUN, "train.steps=1000", "--executor", "local",
@@ -185,7 +170,6 @@ def test_a_local_run_grows_and_shrinks_while_it_trains(tmp_path):
     assert 2.0 in [r["engines"] for r in rows] and rows[-1]["engines"] == 1.0
 
 
-@pytest.mark.slow
 def test_scale_rollout_reaches_the_driver_through_the_run_directory_and_obeys_only_its_owner(tmp_path):
     """A login node often cannot reach the driver's compute node: with the API's recorded address
     unreachable, `relax scale-rollout +1` still grows the run, through requests in the run directory.

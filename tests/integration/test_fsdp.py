@@ -198,7 +198,6 @@ def _fsdp_ppo_rank(rank: int, world: int, port: int, model_dir: str, out: str) -
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_a_sharded_critic_trains_as_the_unsharded_one_and_resumes(model_dir, tmp_path):
     """PPO's critic is sharded with FSDP2 like the policy (float32 master weights, recomputation): over 2 ranks
     its values, loss and updated weights are the unsharded critic's, and it resumes from its checkpoint."""
@@ -268,7 +267,6 @@ def test_the_recipe_fields_reach_the_trainer():
     assert (chosen.fsdp, chosen.recompute_activations, chosen.max_tokens_per_micro_batch) == (True, True, 64)
 
 
-@pytest.mark.slow
 def test_the_quick_start_trains_sharded_over_two_ranks_and_exports(tmp_path):
     """`relax submit` with FSDP over 2 CPU ranks, recomputation and packed micro-batches, in fully_async with
     two optimizer steps per step (so weights are snapshot, logp_old recomputed by the ranks and weights broadcast

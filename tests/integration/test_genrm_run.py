@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import yaml
 from model_dirs import echo_judge_model
+from relax_runs import relax as relax_cli
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
@@ -28,14 +28,9 @@ STEPS = 3
 ROLLOUT = {"prompts_per_step": 4, "n_samples_per_prompt": 4}  # 16 judge calls a step, 8 per judge engine
 
 
-def relax(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("RELAX_GENRM_URL", None)
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)
+relax = partial(relax_cli, timeout=600, drop=("RELAX_GENRM_URL",))  # whole runs: longer than a command's 120 s
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocate", "fully_async"])  # the driver's hub, or the rollout service's
 def test_a_run_judged_by_the_judge_relax_starts_and_stops(tmp_path: Path, mode: str):
     judge = echo_judge_model(tmp_path / "judge")

@@ -13,13 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 PARTS = {"model", "fsdp", "megatron", "parity", "checkpoint", "ipc", "weights"}
 
 
-@pytest.mark.slow
 def test_every_part_of_the_gpu_check_passes_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "check.py"), "--device", "cpu",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=tmp_path)

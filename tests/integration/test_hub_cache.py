@@ -15,7 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 from fake_hub import DATA_ID, MODEL_ID, FakeHub, hub_recipe, tiny_repos
 from test_slurm_launch import ON_TWO_NODES, QUICKSTART, final_status, logs_of
@@ -61,7 +60,6 @@ def submit(cwd: Path, recipe: Path, endpoint: str, *args: str) -> subprocess.Com
                           timeout=180)
 
 
-@pytest.mark.slow
 def test_a_hub_model_and_data_set_run_on_compute_nodes_from_what_the_login_node_fetched(slurm_cluster, tmp_path):
     probe_out = tmp_path / "probe.json"
     recipe = recipe_with_hub_ids(tmp_path, probe_out)

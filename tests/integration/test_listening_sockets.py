@@ -64,7 +64,6 @@ def running_job(tmp_path_factory):
         assert not marked(env) and not still_running(processes)
 
 
-@pytest.mark.slow
 def test_every_process_of_a_local_job_listens_on_loopback_only(running_job):
     driver, _, processes, found = running_job
     assert EXTERNAL in open(f"/proc/{driver.pid}/net/fib_trie").read()  # the job does see the interface
@@ -76,7 +75,6 @@ def test_every_process_of_a_local_job_listens_on_loopback_only(running_job):
     assert not outside, "listening beyond loopback:\n" + "\n".join(outside)
 
 
-@pytest.mark.slow
 def test_no_dashboard_process_runs(running_job):
     _, _, processes, _ = running_job
     dashboards = [cmdline(pid) for pid in processes if "ray/dashboard/dashboard.py" in cmdline(pid)]
@@ -84,7 +82,6 @@ def test_no_dashboard_process_runs(running_job):
     assert any("ray::DashboardAgent" in cmdline(pid) for pid in processes)  # Ray's processes are in view
 
 
-@pytest.mark.slow
 def test_no_monitor_process_runs(running_job):
     """A local cluster has a fixed size and its driver reads no worker output: neither the autoscaler's
     monitor nor the log monitor runs (they cost start-up and shutdown time; ray_compat.without_monitors)."""
@@ -95,7 +92,6 @@ def test_no_monitor_process_runs(running_job):
     assert any("raylet" in cmdline(pid) for pid in processes)  # Ray's processes are in view
 
 
-@pytest.mark.slow
 def test_a_killed_driver_leaves_no_process_behind(running_job):
     """Nothing a run started outlives its driver: SIGKILL to the driver only, by its PID, once it trains, and
     within a few seconds none of its processes runs any more: router, engine servers, Ray's workers, raylet,

@@ -13,10 +13,12 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from relax_runs import relax as relax_cli
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,10 +26,7 @@ QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 REQUIRED = ("step", "reward_mean", "response_len_mean", "rollout_s", "train_s", "sync_s", "policy_version")
 
 
-def relax(*args: str, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+relax = partial(relax_cli, timeout=600)  # whole runs: longer than a command's 120 s
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,6 @@ def quickstart_run(tmp_path_factory):
     return cwd, cwd / "runs" / "qs", proc
 
 
-@pytest.mark.slow
 def test_quickstart_learns_the_task(quickstart_run):
     _, run, proc = quickstart_run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -61,7 +59,6 @@ def yaml_steps() -> int:
     return yaml.safe_load(QUICKSTART.read_text())["train"]["steps"]
 
 
-@pytest.mark.slow
 def test_run_directory_holds_everything(quickstart_run):
     _, run, _ = quickstart_run
     assert (run / "recipe.yaml").is_file()
@@ -77,7 +74,6 @@ def test_run_directory_holds_everything(quickstart_run):
     assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in secrets.iterdir())
 
 
-@pytest.mark.slow
 def test_status_and_logs_of_the_finished_run(quickstart_run):
     cwd, run, _ = quickstart_run
     status = json.loads(relax("status", "qs", "--json", cwd=cwd).stdout)  # a run name under ./runs
@@ -90,7 +86,6 @@ def test_status_and_logs_of_the_finished_run(quickstart_run):
     assert logs.returncode == 0 and f"step {yaml_steps()}/" in logs.stdout
 
 
-@pytest.mark.slow
 def test_convert_ckpt_verify_and_load_with_transformers(quickstart_run, tmp_path):
     cwd, run, _ = quickstart_run
     out = tmp_path / "hf"
@@ -107,7 +102,6 @@ def test_convert_ckpt_verify_and_load_with_transformers(quickstart_run, tmp_path
     assert (out / "generation_config.json").is_file()
 
 
-@pytest.mark.slow
 def test_convert_ckpt_refuses_damaged_or_missing_checkpoints(quickstart_run, tmp_path):
     import shutil
 
@@ -134,7 +128,6 @@ def final_weights(run: Path, tmp: Path, iteration: int) -> dict[str, torch.Tenso
     return load_file(out / "model.safetensors")
 
 
-@pytest.mark.slow
 def test_resume_is_exact(tmp_path):
     straight = relax("submit", str(QUICKSTART), "train.steps=4", *SMALL, "--executor", "local",
                      "--run-dir", "straight", cwd=tmp_path)
@@ -188,7 +181,6 @@ def first_letter(response, label, metadata):
 '''
 
 
-@pytest.mark.slow
 def test_a_reward_plugin_next_to_the_recipe_trains_with_no_other_change(tmp_path):
     import yaml
 

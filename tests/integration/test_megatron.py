@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 from engine_fixtures import EngineServer, free_port, subprocess_env
 from megatron_ranks import ranks, run_ranks
 from model_dirs import tiny_qwen3_moe
+from relax_runs import relax as relax_cli
 
 from relax_core.models import tiny
 
@@ -173,10 +175,7 @@ def test_weights_from_a_tp2_trainer_make_the_engine_compute_the_trainers_logprob
 
 
 # ------------------------------------------------------------- relax submit
-def relax(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = subprocess_env() | {"COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
+relax = partial(relax_cli, timeout=600, env={"PYTHONPATH": subprocess_env()["PYTHONPATH"]})  # whole runs
 
 
 MEGATRON = ["train.backend=megatron", "train.tensor_parallel=2", "train.cpu_ranks_per_node=2"]

@@ -10,26 +10,20 @@ needs `--trust-remote-code` for such a model. With Slurm daemons answering,
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
-import pytest
 import yaml
 from model_dirs import OTHER_TEMPLATE, custom_code_model, other_tokenizer
+from relax_runs import relax as relax_cli
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
 
 
-def relax(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+relax = partial(relax_cli, timeout=600)  # whole runs: longer than a command's 120 s
 
 
-@pytest.mark.slow
 def test_a_run_uses_the_named_tokenizer_and_trusts_the_models_code(tmp_path):
     from transformers import AutoTokenizer
 

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +37,6 @@ def steps_of(run: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
 def test_a_parquet_in_the_openr1_schema_trains_and_an_oversize_image_is_skipped(tmp_path):
     import io
 
@@ -69,7 +67,6 @@ def test_a_parquet_in_the_openr1_schema_trains_and_an_oversize_image_is_skipped(
     assert "skipped a prompt" in log and "rollout.max_prompt_len=125" in log, log[-2000:]
 
 
-@pytest.mark.slow
 def test_a_jsonl_in_the_omni_schema_with_a_video_trains_fully_async(tmp_path):
     from relax_core.data.synthetic_media import write_tone_pairs, write_video
 

@@ -63,7 +63,6 @@ def send_weights(url: str, named: list) -> None:
     assert httpx.post(f"{url}/end_weight_update", timeout=30).json()["success"]
 
 
-@pytest.mark.slow
 def test_engine_logprobs_equal_the_trainers_after_a_step_and_a_sync(model_dir, tmp_path):
     rows = build_prompt_source(SyntheticData(task="colours", seed=4)).next_batch(4)
     trainer = TorchTrainer(model_dir, TorchTrainerConfig(micro_batch_size=4, lr=5e-2))

@@ -122,7 +122,6 @@ def _fsdp_rank(rank: int, world: int, port: int, model_dir: str, out: str) -> No
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_sharded_ranks_with_and_without_images_train_as_one_process(omni_dir, tmp_path):
     """On the Omni thinker, which has both encoders (Qwen3-VL's case is its vision half)."""
     import socket

@@ -12,7 +12,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from test_elastic import ENV, QUICKSTART
+from relax_runs import cli_env
+from test_elastic import QUICKSTART
 from webhook import Webhook
 
 
@@ -35,7 +36,7 @@ def told_about_a_run(webhook: Webhook, run) -> None:
 def test_a_url_apprise_cannot_use_is_refused_before_anything_starts(tmp_path):
     done = subprocess.run([sys.executable, "-m", "relax_cli.main", "submit", str(QUICKSTART), "--executor", "local",
                            'logging.notify=["ntfy://topic", "nosuch://x"]', "--run-dir", "run"],
-                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "logging.notify" in done.stderr + done.stdout and "entry 2 (nosuch://...)" in done.stderr + done.stdout
     assert not (tmp_path / "run").exists()

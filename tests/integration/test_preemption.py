@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from engine_fixtures import ENGINE_API_KEY
+from relax_runs import cli_env, wait_for
 
 from relax_core.rollout.client import EngineClient, GenerationAborted
 
@@ -38,7 +38,6 @@ LONG_STEPS = ["train.steps=2", "checkpoint.interval=1000", f"rollout.prompts_per
               "logging.backends=[]"]
 CHECKPOINT_WITHIN_S = 5.0  # from the signal to the checkpoint of the last completed step on disk
 EXIT_WITHIN_S = 120.0  # then everything the run started is stopped (engines, trainers, Ray)
-ENV = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def submit_args(mode: str) -> list[str]:
@@ -68,21 +67,12 @@ def saved_progress(run: Path) -> dict:
     return state["progress"]
 
 
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def stop_mid_rollout(mode: str, signum: int, cwd: Path) -> tuple[float, int, str]:
     """Run until step 1 is logged, signal the driver half a second later, inside step 2's rollout; returns
     (seconds from the signal to step 1's checkpoint on disk, the driver's exit code, its output)."""
     run, out_path = cwd / "run", cwd / "driver.out"
     with out_path.open("w") as out:
-        driver = subprocess.Popen(submit_args(mode), cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        driver = subprocess.Popen(submit_args(mode), cwd=cwd, env=cli_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
         def step_one_logged() -> bool:
             assert driver.poll() is None, f"the driver ended early:\n{out_path.read_text()[-3000:]}"
@@ -145,7 +135,6 @@ async def until_decoding(client: EngineClient, timeout: float = 20) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "signum"), [("colocate", signal.SIGUSR1), ("fully_async", signal.SIGTERM)])
 def test_a_stop_signal_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes(tmp_path, mode, signum):
     took, code, output = stop_mid_rollout(mode, signum, tmp_path)
@@ -161,7 +150,8 @@ def test_a_stop_signal_mid_rollout_checkpoints_the_last_step_at_once_and_the_run
                                    "engines_added": 0}
     assert "aborting the engines' requests" in (run / "logs" / "driver.log").read_text()
 
-    resumed = subprocess.run(submit_args(mode), cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(submit_args(mode), cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                             timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "step 2/2" in resumed.stdout and "step 1/2" not in resumed.stdout  # continued at the dropped step
     assert logged_steps(run) == [1, 2]

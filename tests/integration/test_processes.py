@@ -28,7 +28,6 @@ from relax_core.launch.rundir import new_run_dir
 GONE_WITHIN_S = 10
 
 
-@pytest.mark.slow
 def test_a_failed_set_up_stops_what_it_started(local_ray, tmp_path, one_torch_thread):
     import ray
 

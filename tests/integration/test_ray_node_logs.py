@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from relax_runs import wait_for
 
 from relax_core.cluster.lifetime import descendants, reap
 from relax_core.cluster.ray_logs import FILE_BYTES
@@ -22,16 +23,6 @@ from relax_core.config import dump_recipe, load_recipe
 from relax_core.launch.rundir import RunDir
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
-
-
-def wait_for(what: str, check, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def raylet_of(node_pid: int) -> int | None:
@@ -61,10 +52,10 @@ def test_a_stopped_ray_node_leaves_its_logs_in_the_run_directory(tmp_path):
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
     seen = {}
     try:
-        raylet = wait_for("the raylet", lambda: raylet_of(node.pid), 120)
+        raylet = wait_for(lambda: raylet_of(node.pid), 120, "the raylet")
         assert max_open_files(raylet) == min(hard, 65536)  # Ray runs with the raised limit, not 1024
         logs = ray_tmp / f"rx{os.getuid()}-4242-0" / "session_latest" / "logs"
-        wait_for("raylet.out", lambda: (logs / "raylet.out").exists(), 60)
+        wait_for(lambda: (logs / "raylet.out").exists(), 60, "raylet.out")
         huge = logs / "worker-huge.out"  # a worker that printed far too much
         huge.write_bytes(b"x" * (FILE_BYTES + 5000) + b"the last line\n")
         session = logs.parent.resolve().name

@@ -22,10 +22,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from test_elastic import QUICKSTART, relax, start_relax
+from relax_runs import relax, start_relax, wait_for
+from test_elastic import QUICKSTART
 from test_local_run import final_weights
 from test_notify import told_about_a_run
-from test_slurm_launch import wait_for
 from webhook import closed_port
 
 SAMPLES = 16 * 8  # the quick start's prompts_per_step x n_samples_per_prompt
@@ -65,7 +65,6 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["colocate", "fully_async"])
 def test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost(tmp_path, mode, webhook):
     run, out = tmp_path / "run", tmp_path / "driver.out"
@@ -157,7 +156,6 @@ def test_the_watch_ends_a_stopped_engine_within_the_health_timeout(tiny_model_di
             stopped.proc.kill()
 
 
-@pytest.mark.slow
 def test_an_engine_past_its_restarts_is_left_out_and_with_none_left_the_run_ends_naming_it(tmp_path, webhook):
     """Two engines, `recovery.max_engine_restarts=0`: the first killed is left out and the run goes on with
     the other; when that one is killed too, the run ends naming it and its log."""
@@ -206,7 +204,6 @@ def trainer_pid_after_checkpoint(run: Path, driver, step: int, rank: int) -> int
     return state(run)["trainers"][rank]["pid"]
 
 
-@pytest.mark.slow
 def test_a_trainer_rank_killed_mid_run_restarts_the_job_from_its_checkpoint_as_a_resume_would(tmp_path, webhook):
     run, out = tmp_path / "run", tmp_path / "driver.out"
     driver = start_relax("submit", str(QUICKSTART), *TWO_RANKS, f'logging.notify=["{webhook.url}"]',
@@ -233,7 +230,7 @@ def test_a_trainer_rank_killed_mid_run_restarts_the_job_from_its_checkpoint_as_a
     # The same recipe, stopped at step 4 and resumed: an uninterrupted run from the same checkpoint.
     for total in (4, 10):
         resumed = relax("submit", str(QUICKSTART), *TWO_RANKS, f"train.steps={total}", "--executor", "local",
-                        "--run-dir", "resumed", cwd=tmp_path)
+                        "--run-dir", "resumed", cwd=tmp_path, timeout=600)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
     ours, theirs = final_weights(run, tmp_path, 10), final_weights(tmp_path / "resumed", tmp_path, 10)
     assert ours.keys() == theirs.keys()
@@ -242,7 +239,6 @@ def test_a_trainer_rank_killed_mid_run_restarts_the_job_from_its_checkpoint_as_a
     assert [r["reward_mean"] for r in steps(run)] == [r["reward_mean"] for r in steps(tmp_path / "resumed")]
 
 
-@pytest.mark.slow
 def test_a_trainer_rank_that_stops_answering_is_ended_and_past_the_restart_limit_the_run_fails(tmp_path, webhook):
     run, out = tmp_path / "run", tmp_path / "driver.out"
     driver = start_relax("submit", str(QUICKSTART), *TWO_RANKS, "train.steps=200", "recovery.health_timeout_s=3",

@@ -19,25 +19,19 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
+from relax_runs import cli_env, wait_for
+from relax_runs import relax as relax_cli
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 INTERVAL = 5
 SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", f"checkpoint.interval={INTERVAL}",
          "checkpoint.keep_last=50"]
-
-
-def relax(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=cli_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def cli_env() -> dict[str, str]:
-    return os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
+relax = partial(relax_cli, timeout=300)  # whole runs: longer than a command's 120 s
 
 
 def tree_hash(*roots: Path) -> dict[str, str]:
@@ -62,17 +56,6 @@ def latest_checkpoint(ckpt: Path) -> int:
     return int((ckpt / "latest_checkpointed_iteration.txt").read_text())
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert proc.poll() is None, f"the run ended early while waiting for {what}: {proc.communicate()}"
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def interrupted_run(tmp_path_factory):
     """A run with a shared checkpoint.dir, SIGINT-ed a few steps past a checkpoint, then resumed to the end."""
@@ -85,7 +68,7 @@ def interrupted_run(tmp_path_factory):
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     run = cwd / "run"
     try:
-        wait_for(lambda: steps_logged(run), 300, "the first step", first)
+        wait_for(lambda: steps_logged(run), 300, "the first step", poll=0.05, alive=first)
         recipe_before = (run / "recipe.yaml").read_bytes()
         second = relax("submit", *args, "train.steps=500", cwd=cwd)
         dry = relax("submit", *args, "train.steps=500", "--dry-run", cwd=cwd)
@@ -93,7 +76,7 @@ def interrupted_run(tmp_path_factory):
         unchanged = (run / "recipe.yaml").read_bytes() == recipe_before
         # Interrupt between two checkpoints, so the attempt leaves steps the resumed run redoes.
         wait_for(lambda: steps_logged(run)[-1] > INTERVAL and steps_logged(run)[-1] % INTERVAL in (1, 2), 300,
-                 "a step just past a checkpoint", first)
+                 "a step just past a checkpoint", poll=0.05, alive=first)
         first.send_signal(signal.SIGINT)
         first.communicate(timeout=120)
     finally:
@@ -110,7 +93,6 @@ def interrupted_run(tmp_path_factory):
             "checkpoint": checkpoint, "total": total, "resumed": resumed}
 
 
-@pytest.mark.slow
 def test_a_second_driver_of_a_running_run_is_refused_naming_host_and_pid(interrupted_run):
     r = interrupted_run
     holder = f"host {socket.gethostname()}, PID {r['first_pid']}"
@@ -122,7 +104,6 @@ def test_a_second_driver_of_a_running_run_is_refused_naming_host_and_pid(interru
     assert r["state_during"]["state"] == "running"
 
 
-@pytest.mark.slow
 def test_metrics_hold_each_step_once_after_a_resume(interrupted_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -140,7 +121,6 @@ def test_metrics_hold_each_step_once_after_a_resume(interrupted_run):
     assert f"step {k + 1}/{total}" in r["resumed"].stdout and f"step {k}/{total}" not in r["resumed"].stdout
 
 
-@pytest.mark.slow
 def test_the_shared_checkpoint_dir_is_claimed_by_its_run(interrupted_run):
     r = interrupted_run
     owner = json.loads((r["shared"] / "relax_run.json").read_text())
@@ -149,7 +129,6 @@ def test_the_shared_checkpoint_dir_is_claimed_by_its_run(interrupted_run):
     assert state["state"] == "completed" and latest_checkpoint(r["shared"]) == r["total"]
 
 
-@pytest.mark.slow
 def test_a_fresh_run_refuses_another_runs_checkpoint_dir(interrupted_run):
     r = interrupted_run
     before = tree_hash(r["run"], r["shared"])
@@ -160,7 +139,6 @@ def test_a_fresh_run_refuses_another_runs_checkpoint_dir(interrupted_run):
     assert not (r["cwd"] / "fresh").exists() and tree_hash(r["run"], r["shared"]) == before
 
 
-@pytest.mark.slow
 def test_a_dry_run_of_an_existing_run_writes_nothing(interrupted_run):
     r = interrupted_run
     before = tree_hash(r["run"], r["shared"])
@@ -173,7 +151,6 @@ def test_a_dry_run_of_an_existing_run_writes_nothing(interrupted_run):
     assert tree_hash(r["run"], r["shared"]) == before  # recipe.yaml and run.json ("completed") included
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "named"), [
     (["model.seed=1", "data.seed=3", "train.seed=2"],
      ["model.seed: 0 -> 1", "data.seed: 0 -> 3", "train.seed: 0 -> 2"]),

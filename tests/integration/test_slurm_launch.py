@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from relax_runs import relax, wait_for
 
 # Steps made long by generation, and how to read a run's checkpoints: shared with the local test.
 from test_preemption import CHECKPOINT_WITHIN_S, LONG_STEPS, PROMPTS_PER_STEP, latest_checkpoint, saved_progress
@@ -29,12 +30,6 @@ QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 # One training node and one rollout node; the job's processes talk over loopback.
 ON_TWO_NODES = ["cluster.rollout.nodes=1", "cluster.rollout.cpus_per_node=2", "cluster.network.interface=lo",
                 "logging.backends=[]"]
-
-
-def relax(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def submit(cwd: Path, run: str, *overrides: str) -> str:
@@ -58,16 +53,6 @@ def final_status(cwd: Path, run: str, timeout: float, what: str) -> dict:
 
     wait_for(lambda: run_status(RunDir(cwd / run))["state"] in ("completed", "failed", "died"), timeout, what)
     return status(cwd, run)
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def steps_done(run: Path, count: int):
@@ -95,7 +80,6 @@ def logs_of(run: Path) -> str:
                      if p.is_file())  # logs/ray/ holds Ray's own logs, a folder per node
 
 
-@pytest.mark.slow
 def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp_path):
     job_id = submit(tmp_path, "runs/het", "train.steps=20")
     run = tmp_path / "runs" / "het"
@@ -114,7 +98,6 @@ def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp
     assert oct(token.stat().st_mode & 0o777) == "0o600"
 
 
-@pytest.mark.slow
 def test_fully_async_with_a_reference_group_runs_each_service_on_its_own_node(slurm_cluster, tmp_path):
     """A three-component job: training on n1, rollout on n2, the reference service on n3 (het group 2, which
     joins Ray with its resource); the run completes with the KL term fed by the reference service."""
@@ -135,7 +118,6 @@ def test_fully_async_with_a_reference_group_runs_each_service_on_its_own_node(sl
     assert all(r["staleness_max"] <= 1 for r in rows)
 
 
-@pytest.mark.slow
 def test_ray_cluster_refuses_a_driver_without_the_token(slurm_cluster, tmp_path):
     """An outsider is turned away at once: the GCS answers UNAUTHENTICATED within milliseconds, and a
     `ray.init` without the token fails within seconds (each of Ray's connect retries is refused; a
@@ -192,7 +174,6 @@ def attach(head: str, env: dict[str, str], cwd: Path) -> tuple[subprocess.Comple
     return proc, time.monotonic() - start
 
 
-@pytest.mark.slow
 def test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes(slurm_cluster, tmp_path):
     """USR1 to the batch step in the middle of a long rollout, as Slurm sends it `signal_before_end_s`
     before the time limit: the last completed step is checkpointed within seconds, the job requeues
@@ -219,7 +200,6 @@ def test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes(slurm_c
     assert "at step 1" in (run / "logs" / "driver.log").read_text()  # "resumed from ... at step 1"
 
 
-@pytest.mark.slow
 def test_scale_rollout_grows_the_job_onto_a_second_slurm_job_and_back(slurm_cluster, tmp_path):
     """`relax scale-rollout +1` on a running fully_async job: a rollout-only job starts, its node joins the
     run's Ray cluster, its engine gets the weights and serves (the router routes to it, its own counter
@@ -259,7 +239,6 @@ def test_scale_rollout_grows_the_job_onto_a_second_slurm_job_and_back(slurm_clus
     assert 2.0 in [r["engines"] for r in rows] and rows[-1]["engines"] == 1.0
 
 
-@pytest.mark.slow
 def test_a_rollout_node_whose_ray_worker_cannot_start_fails_the_job_naming_it(slurm_cluster, tmp_path):
     start = time.monotonic()
     submit(tmp_path, "runs/bad", "cluster.rollout.env={RAY_AUTH_TOKEN_PATH: /nonexistent/token}",
@@ -301,7 +280,6 @@ def test_dry_run_prints_the_script_and_submits_nothing(slurm_cluster, tmp_path):
     assert "job_id" not in json.loads((tmp_path / "r" / "run.json").read_text())
 
 
-@pytest.mark.slow
 def test_convert_ckpt_runs_as_a_slurm_job_through_submitit(slurm_cluster, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -15,12 +15,10 @@ Slurm puts them is under test here (test_slurm_launch.py runs the launcher).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from relax_runs import relax
 from slurm_cluster import parse_scontrol_record
 from test_slurm_launch import final_status, logs_of, submit
 
@@ -33,12 +31,6 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 # Two GPUs of each debug node (gres gpu:tesla:2) for the training group.
 TRAIN_GPUS = ["cluster.train.gpus_per_node=2", "cluster.slurm.partition=debug"]
-
-
-def relax(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
 
 
 def write_script(tmp_path: Path, *overrides: str, payload: str | None = None) -> Path:
@@ -138,7 +130,6 @@ def test_groups_of_one_shape_run_as_one_plain_job(slurm_cluster, tmp_path):
         slurm_cluster.run(["scancel", str(job_id)], check=False)
 
 
-@pytest.mark.slow
 def test_the_quick_start_runs_to_completion_on_one_plain_job(slurm_cluster, tmp_path):
     """Both groups on 2-CPU nodes: one plain 2-node job, which the batch step splits (n1 train, n2 rollout)."""
     job_id = submit(tmp_path, "runs/plain", "cluster.train.cpus_per_node=2", "train.steps=4")

@@ -15,7 +15,6 @@ import json
 import subprocess
 import time
 
-import pytest
 import yaml
 from agentic_runs import REPO, two_step_run
 
@@ -120,7 +119,6 @@ class Scripted(ToolEnv):
 '''
 
 
-@pytest.mark.slow
 def test_a_run_whose_tool_calls_fail_every_way_completes_every_step(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS)
     (tmp_path / "scripted.py").write_text(SCRIPTED)

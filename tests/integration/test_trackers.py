@@ -33,7 +33,6 @@ def wandb_processes() -> set[int]:
     return found
 
 
-@pytest.mark.slow
 def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(tmp_path):
     before = wandb_processes()
     first = relax("submit", str(QUICKSTART), "train.steps=4", *WANDB, "--executor", "local", "--run-dir", "r",

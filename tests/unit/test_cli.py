@@ -8,15 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from relax_runs import relax
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
-
-
-def relax(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=120)
 
 
 def test_help_lists_the_commands():

@@ -12,15 +12,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
 import pytest
 import yaml
 from model_dirs import ALPHABET, OTHER_TEMPLATE, custom_code_model, other_tokenizer
+from relax_runs import relax
 
 from relax_core.config import load_recipe
 from relax_core.config.schema import TinyModel
@@ -28,12 +26,6 @@ from relax_core.models import tiny
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
-
-
-def relax(*args: str, cwd: Path, path: str | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"} | ({"PATH": path} if path else {})
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=120)
 
 
 def hf_recipe(tmp_path: Path, **model) -> Path:
@@ -181,7 +173,8 @@ def test_a_field_without_a_backend_is_refused_by_every_command(tmp_path, case, c
     before = sorted(tmp_path.rglob("*"))
     bare = tmp_path / "bin"  # no sbatch: the refusal comes first, whatever Slurm this machine has
     args = COMMANDS[command]
-    proc = relax(args[0], str(recipe), *args[1:], cwd=tmp_path, path=str(bare) if "slurm" in command else None)
+    proc = relax(args[0], str(recipe), *args[1:], cwd=tmp_path,
+                 env={"PATH": str(bare)} if "slurm" in command else None)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     field = UNAVAILABLE[case][1]
     line = next(line for line in proc.stderr.splitlines() if field in line)
@@ -193,7 +186,7 @@ def test_a_field_without_a_backend_is_refused_by_every_command(tmp_path, case, c
 def test_the_shipped_math_recipe_passes_every_check_but_the_missing_slurm(tmp_path):
     """It trains with the megatron backend: nothing in it is refused, only the absent sbatch is named."""
     proc = relax("submit", str(REPO / "recipes" / "math_dapo_qwen3_4b.yaml"), "--executor", "slurm", "--dry-run",
-                 cwd=tmp_path, path=str(tmp_path))
+                 cwd=tmp_path, env={"PATH": str(tmp_path)})
     assert proc.returncode == 2
     assert "not available" not in proc.stderr and "sbatch" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []

@@ -69,7 +69,6 @@ def test_every_imported_third_party_module_is_declared(folders):
     assert not missing, "imported but not declared in pyproject.toml:\n" + "\n".join(missing)
 
 
-@pytest.mark.slow
 def test_wheel_ships_recipes_templates_and_license(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path)], check=True, capture_output=True)

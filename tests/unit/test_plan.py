@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from relax_runs import relax
 
 from relax_core.config import load_recipe
 from relax_core.launch.plan import engine_slot_gpus, plan_lines, resource_problems, trainer_gpu
@@ -34,12 +35,6 @@ CASES = {
     "vlm_openr1_qwen3vl_4b": ("vlm_openr1_qwen3vl_4b.yaml", []),
     "omni_avqa": ("omni_avqa.yaml", []),
 }
-
-
-def relax(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=120)
 
 
 def recipe(name: str, overrides: list[str] = ()):

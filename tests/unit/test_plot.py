@@ -9,17 +9,13 @@ leaves the user's files as they were.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
+from relax_runs import relax
 
 from relax_core.metrics.plot import figure
-
-ENV = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}
 
 
 def quickstart_rows(steps: int) -> list[dict]:
@@ -50,11 +46,6 @@ def test_the_panels_hold_the_logged_values_and_their_moving_average():
 def test_a_short_run_is_drawn_without_smoothing_and_unknown_metrics_are_not_panels():
     rows = [{"step": 1, "reward_mean": 0.1, "grad_norm": 3.0}, {"step": 2, "reward_mean": 0.4, "grad_norm": 2.0}]
     assert lines_of(figure(rows)) == {"reward": {"reward_mean": [0.1, 0.4]}}
-
-
-def relax(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=120)
 
 
 def make_run(root: Path, rows: list[dict] | None) -> Path:

@@ -11,13 +11,13 @@ imported, by the same reader `relax validate` uses.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from relax_runs import relax
 
 from relax_core.config import load_recipe
 from relax_core.rollout import sglang_engine, sglang_source
@@ -29,12 +29,6 @@ GOLDEN = REPO / "tests" / "golden"
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 SGLANG_QUICKSTART = ["rollout.engine=sglang", "rollout.gpus_per_engine=1", "cluster.rollout.gpus_per_node=1"]
 PORT = 41234  # stands for the port picked at start (PORT in the golden file)
-
-
-def relax(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | {"COLUMNS": "200", "NO_COLOR": "1"} | (env or {})
-    return subprocess.run([sys.executable, "-m", "relax_cli.main", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=120)
 
 
 def command(**overrides) -> list[str]:
