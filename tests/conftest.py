@@ -49,7 +49,12 @@ def local_ray(tmp_path_factory):
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-from slurm_cluster import mark_slurm_tests, slurm_cluster, slurm_version  # noqa: E402,F401  (session fixture)
+from slurm_cluster import (  # noqa: E402,F401  (fixtures)
+    mark_slurm_tests,
+    slurm_cluster,
+    slurm_jobs_end_with_their_test,
+    slurm_version,
+)
 from tiers import pytest_terminal_summary, select_tier  # noqa: E402,F401  (a hook)
 
 

@@ -46,6 +46,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -376,6 +377,16 @@ class SlurmCluster:
         states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
         return proc.returncode == 0 and all(states.get(node) == "idle" for node in self.all_node_names)
 
+    def end_jobs_left_behind(self, timeout: float = 60.0) -> list[str]:
+        """Cancel every job still queued or running (any user's), then wait until every node is idle again;
+        return them as "ID NAME STATE" lines. A test's jobs end with it, so the next test's land where it says."""
+        left = self.run(["squeue", "-h", "-o", "%i %j %T"], check=False).stdout.splitlines()
+        if left:
+            self._cancel_all_jobs()
+        if left or not self.all_idle():
+            wait_until(self.all_idle, timeout, 0.5)
+        return left
+
     def _cancel_all_jobs(self, timeout: float = 15.0) -> None:
         ctld = read_pid(self.run_dir / "slurmctld.pid")
         if ctld is None or not process_running(ctld):
@@ -523,6 +534,17 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         restore_environ(saved_environ)
         remove_routable_address()
         shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def slurm_jobs_end_with_their_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test that used the cluster, no job of it is left: one that failed half-way (a run and its
+    scale-out job still running) would otherwise take the nodes the next test's jobs expect."""
+    yield
+    if "slurm_cluster" in request.fixturenames:
+        left = request.getfixturevalue("slurm_cluster").end_jobs_left_behind()
+        if left:
+            print(f"\n{request.node.nodeid} left Slurm jobs behind, cancelled: {left}", file=sys.stderr)
 
 
 def slurm_version() -> str:

@@ -32,12 +32,21 @@ ELASTIC_RUN = ["mode=fully_async", "rollout.router=true", "rollout.max_staleness
 
 
 class Api:
-    """The run's control API, as run.json names it."""
+    """The run's control API, as run.json names it at each request (a job that restarts in its driver
+    starts its API again on another port)."""
 
     def __init__(self, run: Path):
+        self.run = run
         state = json.loads((run / "run.json").read_text())
-        self.url, self.token_file = state["api_url"], Path(state["api_token_file"])
+        self.token_file = Path(state["api_token_file"])
         self.headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
+
+    @property
+    def url(self) -> str:
+        state = json.loads((self.run / "run.json").read_text())
+        assert state.get("api_url"), f"no control API in run.json: state {state.get('state')}, " \
+                                     f"job restarts {state.get('job_restarts')}, error {state.get('error')}"
+        return state["api_url"]
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)

@@ -246,7 +246,9 @@ def test_a_rollout_node_whose_ray_worker_cannot_start_fails_the_job_naming_it(sl
     run = tmp_path / "runs" / "bad"
     final = final_status(tmp_path, "runs/bad", 150, "the job to fail")
     assert final["state"] == "failed"
-    assert "n2" in final["error"] and "n1" not in final["error"].split("see")[0]
+    nodes = json.loads((run / "run.json").read_text())["nodes"]  # where Slurm put each group
+    (rollout,), (train,) = nodes["rollout"], nodes["train"]
+    assert rollout in final["error"] and train not in final["error"].split("see")[0], (nodes, final["error"])
     assert time.monotonic() - start < 60 + 60  # within the readiness timeout (plus job start and teardown)
     assert not metrics(run)
 
