@@ -29,6 +29,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from gloo_exit import leave_group
+
 HOST = "127.0.0.1"
 
 
@@ -315,12 +317,7 @@ def _rank(rank: int, world: int, port: int, role: str, args: dict) -> None:
     store = dist.TCPStore(HOST, port, world, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     ROLES[role](rank, world, args)
-    dist.barrier()  # no rank leaves while another still talks to it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Megatron's dozens of gloo groups hold threads whose teardown (destroy_process_group, or the
-    # interpreter's at exit) can block or abort once a peer is gone: the work is done, leave without it.
-    os._exit(0)
+    leave_group()  # Megatron's dozens of gloo groups: their teardown can block or abort once a peer is gone
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from engine_fixtures import HOST, EngineServer, free_port, subprocess_env, tiny_model_dir  # noqa: F401
+from gloo_exit import leave_group
 
 API_KEY = "sync-token"
 BUCKET_BYTES = 16 << 10  # the tiny model is ~190 KiB: many buckets
@@ -197,7 +197,7 @@ def trainer_main(args) -> None:
     dist.all_reduce(total)
     if args.rank == 0:
         Path(args.out).write_text(json.dumps({"syncs": syncs, "default_group_sum": total.item()}))
-    _leave()
+    leave_group()
 
 
 def peer_main(args) -> None:
@@ -218,18 +218,7 @@ def peer_main(args) -> None:
         destroy_weight_update_group(group)
     if args.rank == 1:
         Path(args.out).write_text(json.dumps(received))
-    _leave()
-
-
-def _leave() -> None:
-    """Exit once every rank is done, without tearing the default group down: gloo's teardown while a
-    peer closes its end can abort a process ("terminate called without an active exception"), as seen
-    in CI. The product never destroys its default group either; its workers end with their process."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)
+    leave_group()
 
 
 if __name__ == "__main__":
