@@ -10,7 +10,7 @@ the latest figures, and what else the run prints appears above it.
 A resumed run redoes the steps after its checkpoint, so `resume_from(K)` first
 drops what the interrupted attempt logged past step K: metrics.jsonl is
 rewritten atomically with the rows of steps <= K, and TensorBoard's writer
-opens with `purge_step=K+1`, which hides the older events from that step on.
+opens with `purge_step=K+1`, which hides the older events from that step on (`EventWriter`).
 Each step is then in both exactly once.
 """
 
@@ -90,9 +90,7 @@ class MetricsTracker:
     def _tensorboard(self):
         """The event writer, opened at the first step (after `resume_from`, which sets its purge step)."""
         if self._writer is None and self.tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=self._purge_step)
+            self._writer = EventWriter(self.tensorboard_dir, purge_step=self._purge_step)
         return self._writer
 
     def close(self) -> None:
@@ -102,6 +100,37 @@ class MetricsTracker:
             self._writer.close()
         if self.wandb is not None:
             self.wandb.close()
+
+
+class EventWriter:
+    """Scalars into a TensorBoard event file, written by tensorboard's own event-file writer: torch's
+    SummaryWriter does the same, and costs the driver an import of torch (2 to 4 s of CPU at start).
+
+    `purge_step`: as torch's, a start marker at that step, from which TensorBoard drops what earlier files
+    logged (a resumed run's redone steps appear once).
+    """
+
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._file = EventFileWriter(str(log_dir))
+        if purge_step is not None:
+            self._file.add_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self._file.add_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+        self._file.add_event(Event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class LiveLine:
