@@ -3,7 +3,8 @@ real engine servers, real gloo weight sync and real checkpoints.
 
 - the quick start learns (reward up by >= 0.6), leaves metrics, TensorBoard
   events, logs and checkpoints; status/logs/convert-ckpt work on the run;
-- resuming is exact: 2K steps == K steps + K resumed steps, bit for bit;
+- resuming is exact: 2K steps == K steps + K resumed steps, bit for bit, and the resumed run's
+  offline W&B run continues (trackers);
 - mistakes are caught before any process starts (exit 2, nothing written).
 """
 
@@ -16,6 +17,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from relax_runs import relax as relax_cli
@@ -119,6 +121,9 @@ def test_convert_ckpt_refuses_damaged_or_missing_checkpoints(quickstart_run, tmp
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "checkpoint.interval=2",
          "checkpoint.keep_last=5", "logging.backends=[]"]
+# The resumed run also logs to an offline W&B run (the trackers' test shares it): trackers change no weight.
+WANDB = ["logging.backends=[jsonl,wandb]", "logging.wandb.project=relax-test",
+         "cluster.train.env={RELAX_TEST_TOKEN: hunter2}"]
 
 
 def final_weights(run: Path, tmp: Path, iteration: int) -> dict[str, torch.Tensor]:
@@ -128,29 +133,71 @@ def final_weights(run: Path, tmp: Path, iteration: int) -> dict[str, torch.Tenso
     return load_file(out / "model.safetensors")
 
 
-def test_resume_is_exact(tmp_path):
+def wandb_processes() -> set[int]:
+    found = set()
+    for proc in psutil.process_iter(["pid", "name", "cmdline"]):
+        if "wandb" in (proc.info["name"] or "") or any("wandb-core" in part for part in proc.info["cmdline"] or []):
+            found.add(proc.info["pid"])
+    return found
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(tmp_path_factory) -> dict:
+    """4 steps straight, and 2 steps then resumed to 4 (logging to W&B offline), shared by the tests that
+    inspect them."""
+    cwd = tmp_path_factory.mktemp("resume")
+    before = wandb_processes()
     straight = relax("submit", str(QUICKSTART), "train.steps=4", *SMALL, "--executor", "local",
-                     "--run-dir", "straight", cwd=tmp_path)
+                     "--run-dir", "straight", cwd=cwd)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = relax("submit", str(QUICKSTART), "train.steps=2", *SMALL, "--executor", "local",
-                  "--run-dir", "resumed", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = relax("submit", str(QUICKSTART), "train.steps=4", *SMALL, "--executor", "local",
-                   "--run-dir", "resumed", cwd=tmp_path)
-    assert second.returncode == 0, second.stderr[-3000:]
+    first = relax("submit", str(QUICKSTART), "train.steps=2", *SMALL, *WANDB, "--executor", "local",
+                  "--run-dir", "resumed", cwd=cwd)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_id = (cwd / "resumed" / "wandb_run_id").read_text().strip()
+    second = relax("submit", str(QUICKSTART), "train.steps=4", *SMALL, *WANDB, "--executor", "local",
+                   "--run-dir", "resumed", cwd=cwd)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return {"cwd": cwd, "second": second, "run_id": run_id, "wandb_before": before}
+
+
+def test_resume_is_exact(resumed_runs):
+    cwd, second = resumed_runs["cwd"], resumed_runs["second"]
     assert "step 3/4" in second.stdout and "step 1/4" not in second.stdout  # it continued, not restarted
 
-    a = final_weights(tmp_path / "straight", tmp_path, 4)
-    b = final_weights(tmp_path / "resumed", tmp_path, 4)
+    a = final_weights(cwd / "straight", cwd, 4)
+    b = final_weights(cwd / "resumed", cwd, 4)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    (tmp_path / "mid").mkdir()
-    middle = final_weights(tmp_path / "straight", tmp_path / "mid", 2)
+    (cwd / "mid").mkdir()
+    middle = final_weights(cwd / "straight", cwd / "mid", 2)
     assert any(not torch.equal(middle[n], a[n]) for n in a)  # the last two steps did change the weights
-    rows_a = [json.loads(x) for x in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    rows_b = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    rows_a = [json.loads(x) for x in (cwd / "straight" / "metrics.jsonl").read_text().splitlines()]
+    rows_b = [json.loads(x) for x in (cwd / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in rows_a] == [r["reward_mean"] for r in rows_b]
+
+
+def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(resumed_runs):
+    """Trackers as a user on a cluster without a network uses them (`logging.backends: [jsonl, wandb]`): an
+    offline W&B run under RUN/wandb whose every step holds the metrics of metrics.jsonl, in the project the
+    recipe names, with the recipe as its config but no environment variable's value, and no TensorBoard files
+    (not listed); resumed, it continues the same W&B run id. The records are read from the file wandb wrote
+    (tests/wandb_records.py), and no wandb process outlives the run."""
+    from wandb_records import history, run_info
+
+    run = resumed_runs["cwd"] / "resumed"
+    assert not (run / "tensorboard").exists()  # not in logging.backends
+    files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2 and [run_info(f) for f in files] == [(resumed_runs["run_id"], "relax-test")] * 2
+    logged = [row for f in files for row in history(f)]
+    jsonl = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == [row["step"] for row in jsonl] == [1, 2, 3, 4]
+    for mine, theirs in zip(jsonl, logged):
+        assert theirs["reward_mean"] == pytest.approx(mine["reward_mean"])
+        assert theirs["train_s"] == pytest.approx(mine["train_s"])
+    # The recipe is the run's config, without the values of environment variables (tokens, often).
+    assert all(b"RELAX_TEST_TOKEN" in f.read_bytes() and b"hunter2" not in f.read_bytes() for f in files)
+    assert wandb_processes() <= resumed_runs["wandb_before"]  # wandb's service ended with the run
 
 
 @pytest.mark.parametrize(
