@@ -114,7 +114,10 @@ def test_ppo_trains_its_critic_beside_the_megatron_policy(dense, tmp_path):
     ref = torch_step(dense, critic=True, algorithm="ppo", steps=2)
     for step in range(2):
         for key in ("loss", "value_loss", "vf_clipfrac", "grad_norm"):
-            assert mine["metrics"][step][key] == pytest.approx(ref["metrics"][step][key], rel=1e-5), (step, key)
+            # abs: a PPO loss near zero (-9e-8 against -6e-8 in one CI run) is float rounding in another
+            # summation order, as in the test above
+            assert mine["metrics"][step][key] == pytest.approx(ref["metrics"][step][key], rel=1e-5, abs=1e-7), (
+                step, key)
     assert ref["metrics"][1]["value_loss"] != ref["metrics"][0]["value_loss"]
 
 
