@@ -25,6 +25,12 @@ d1 (partition "debian", 2 CPUs) has its own hostname, which resolves to
 127.0.1.1 in its jobs, and the address 10.77.0.1 on interface relax0 (a
 veth; every node shares the tests' network namespace).
 
+Jobs are contained by cgroups as at university sites (CGROUP_TASKS, where
+cgroup v1 controllers are writable): a step's cpuset is its CPUs, its memory
+cgroup's limit is its --mem (a step using more is OOM-killed and the job ends
+OUT_OF_MEMORY), and it may open only the stand-in GPU device files of its gres
+(the others give EPERM).
+
 Tests reach it through the session-scoped `slurm_cluster` fixture, which also
 exports SLURM_CONF for the test process, so `sbatch`/`squeue`/`scancel` run by
 the code under test talk to this cluster (and never read /etc/slurm, which
@@ -87,6 +93,39 @@ FOREIGN_ENV_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SIN
 TERMINAL_STATES = frozenset(
     {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 )
+# Cgroup task containment, as university clusters configure it: proctrack/cgroup,
+# task/cgroup+task/affinity and a cgroup.conf constraining cores, RAM and the
+# gres device files (CGROUP_CONF). Slurm 22.05's cgroup/v1 plugin, with the
+# v1 controllers mounted under /sys/fs/cgroup; built with multiple-slurmd
+# support, each slurmd keeps its own hierarchy /sys/fs/cgroup/<ctrl>/slurm_<node>.
+# Used where those controllers are mounted and writable (root); elsewhere (a
+# cgroup v2-only host: 22.05's cgroup/v2 wants slurmd under systemd) the cluster
+# falls back to proctrack/linuxproc + task/affinity. RELAX_TEST_SLURM_CGROUP=0
+# forces the fallback, =1 forces cgroups.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+CGROUP_CONTROLLERS = ("cpuset", "memory", "devices", "freezer")
+
+
+def cgroup_v1_writable() -> bool:
+    """Whether Slurm's cgroup/v1 plugin can make its hierarchies here: v1 controllers mounted, and root."""
+    return os.geteuid() == 0 and all(
+        (CGROUP_ROOT / ctl / "tasks").is_file() and os.access(CGROUP_ROOT / ctl, os.W_OK)
+        for ctl in CGROUP_CONTROLLERS
+    )
+
+
+CGROUP_TASKS = {"0": False, "1": True}.get(os.environ.get("RELAX_TEST_SLURM_CGROUP", ""), cgroup_v1_writable())
+# Under ConstrainRAMSpace a job's memory cgroup is its allocation (steps with --mem=0 share it): at
+# 1000 MB per CPU the Ray head node of a 2-CPU job (raylet, GCS, trainer, TransferQueue, the driver)
+# is OOM-killed, so with cgroups a CPU brings 2000 MB (a 2-CPU job gets its whole 4000 MB node).
+DEF_MEM_PER_CPU_CGROUP = 2000
+CGROUP_CONF = """\
+CgroupPlugin=cgroup/v1
+CgroupMountpoint=/sys/fs/cgroup
+ConstrainCores=yes
+ConstrainRAMSpace=yes
+ConstrainDevices=yes
+"""
 # Unix socket paths (munge's, slurmstepd's) must fit in 108 bytes.
 MAX_ROOT_LEN = 60
 
@@ -121,11 +160,11 @@ SlurmctldPidFile={root}/run/slurmctld.pid
 SlurmdPidFile={root}/run/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
 SlurmdLogFile={root}/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/affinity
+ProctrackType={proctrack}
+TaskPlugin={task_plugin}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
-DefMemPerCPU=1000
+DefMemPerCPU={def_mem_per_cpu}
 SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1,bf_hetjob_immediate,bf_hetjob_prio=min,sched_min_interval=100000,sched_interval=1
 SwitchType=switch/none
@@ -307,6 +346,11 @@ class SlurmCluster:
     # -- life cycle ---------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> None:
+        if CGROUP_TASKS:
+            busy = [str(d) for d in self.cgroup_dirs() if cgroup_has_tasks(d)]
+            if busy:
+                raise RuntimeError(f"another Slurm cluster's jobs are in the cgroups this one would use: {busy}")
+            self.remove_cgroups()  # empty ones a previous run left
         self._write_files()
         self._start_munged()
         self._daemon(["slurmctld", "-i"])
@@ -325,6 +369,23 @@ class SlurmCluster:
             stop_daemon(self.run_dir / f"slurmd-{node}.pid", "slurmd")
         stop_daemon(self.run_dir / "slurmctld.pid", "slurmctld")
         stop_daemon(self.run_dir / "munged.pid", "munged")
+        if CGROUP_TASKS:
+            self.remove_cgroups()
+
+    def cgroup_dirs(self) -> list[Path]:
+        """Each slurmd's cgroup hierarchies, /sys/fs/cgroup/<controller>/slurm_<node> (those that exist)."""
+        return [d for ctl in CGROUP_CONTROLLERS for node in self.all_node_names
+                if (d := CGROUP_ROOT / ctl / f"slurm_{node}").is_dir()]
+
+    def remove_cgroups(self) -> None:
+        """Remove the nodes' cgroup hierarchies, deepest first; one still holding a process stays."""
+        for top in self.cgroup_dirs():
+            for sub in sorted(top.rglob("*"), key=lambda p: len(p.parts), reverse=True) + [top]:
+                if sub.is_dir():
+                    try:
+                        sub.rmdir()
+                    except OSError:
+                        pass
 
     def _write_files(self) -> None:
         for sub in ("state", "log", "run", "munge", "spool", "jobs", "fake-gpu"):
@@ -345,10 +406,15 @@ class SlurmCluster:
                 grace=PREEMPT_GRACE_S,
                 debian_node=DEBIAN_NODE,
                 debian_partition=DEBIAN_PARTITION,
+                proctrack="proctrack/cgroup" if CGROUP_TASKS else "proctrack/linuxproc",
+                task_plugin="task/cgroup,task/affinity" if CGROUP_TASKS else "task/affinity",
+                def_mem_per_cpu=DEF_MEM_PER_CPU_CGROUP if CGROUP_TASKS else 1000,
             )
         )
-        # Slurm reads gres.conf from the directory SLURM_CONF is in.
+        # Slurm reads gres.conf (and cgroup.conf) from the directory SLURM_CONF is in.
         (self.root / "gres.conf").write_text(gres_conf(self.root))
+        if CGROUP_TASKS:
+            (self.root / "cgroup.conf").write_text(CGROUP_CONF)
 
     def _start_munged(self) -> None:
         socket_path = self.munge_dir / "munge.socket.2"
@@ -476,6 +542,11 @@ class SlurmCluster:
             tail = log.read_text(errors="replace").splitlines()[-lines:]
             parts.append(f"--- {log.name}\n" + "\n".join(tail))
         return "\n".join(parts) or f"(no logs in {self.log_dir})"
+
+
+def cgroup_has_tasks(directory: Path) -> bool:
+    """Whether a process is in the cgroup `directory` or one below it."""
+    return any(tasks.read_text().strip() for tasks in directory.rglob("tasks"))
 
 
 def clean_environ(environ: Mapping[str, str]) -> dict[str, str]:
