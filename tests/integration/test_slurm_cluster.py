@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, slurm_version, wait_until
+from slurm_cluster import CGROUP_TASKS, SlurmCluster, slurm_version, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -179,6 +179,48 @@ echo TWO=$(srun --ntasks=1 --cpus-per-task=2 --exact {count})
     job_id = slurm_cluster.submit(script, "--nodes=1", "--cpus-per-task=2", f"--output={out}")
     assert slurm_cluster.wait_for_state(job_id) == "COMPLETED"
     assert read_vars(out) == {"BATCH": "2", "ONE": "1", "TWO": "2"}
+
+
+PROBE = """import errno, os, sys
+what = sys.argv[1]
+if what == "hold":  # touch every page of N MB
+    block = bytearray(int(sys.argv[2]) * 2**20)
+    block[::4096] = b"x" * len(block[::4096])
+    print("HELD", flush=True)
+else:  # open each device file: ENXIO (no driver behind it) means the cgroup let it through
+    for path in sys.argv[2:]:
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+            print(path, "opened")
+        except OSError as e:
+            print(path, errno.errorcode[e.errno])
+"""
+
+
+@pytest.mark.skipif(not CGROUP_TASKS, reason="no writable cgroup v1 controllers here: the cluster runs uncontained")
+def test_cgroups_hold_a_step_to_its_memory_and_its_gpus(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """As at sites with task/cgroup (ConstrainRAMSpace, ConstrainDevices): a step that uses more than its
+    --mem is killed, and a step may open only the GPU device files of its own gres."""
+    probe, out = tmp_path / "probe.py", tmp_path / "cgroup.out"
+    probe.write_text(PROBE)
+    node = "n1"
+    devices = " ".join(str(d) for d in sorted(slurm_cluster.gpu_device_files(node)))
+    script = f"""#!/bin/bash
+srun --mem=100M python3 {probe} hold 400; echo OVER=$?
+srun --mem=600M python3 {probe} hold 200; echo UNDER=$?
+srun --mem=100M --gres=gpu:tesla:1 python3 {probe} open {devices}
+srun --mem=100M --gres=none python3 {probe} open {devices}
+"""
+    job_id = slurm_cluster.submit(script, f"--nodelist={node}", "--mem=1000M", "--gres=gpu:tesla:2",
+                                  f"--output={out}")
+    slurm_cluster.wait_for_state(job_id, ("COMPLETED", "OUT_OF_MEMORY", "FAILED"), timeout=60)
+    lines = out.read_text().splitlines()
+    seen = read_vars(out)
+    assert seen["OVER"] != "0" and seen["UNDER"] == "0", lines
+    assert lines.count("HELD") == 1, lines  # only the step within its --mem got there
+    first, second = sorted(slurm_cluster.gpu_device_files(node))
+    opened = [line.split() for line in lines if line.startswith(str(first.parent))]
+    assert opened == [[str(first), "ENXIO"], [str(second), "EPERM"], [str(first), "EPERM"], [str(second), "EPERM"]]
 
 
 def test_scancel_delivers_usr1_to_the_batch_script(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
