@@ -474,7 +474,9 @@ class NodeGroup(Section):
     cpus_per_node: int = Field(2, ge=1)
     """CPU cores per node."""
     mem: str | None = Field(None, pattern=r"^\d+[KMGT]?$")
-    """Memory per node as Slurm writes it (e.g. `480G`); the partition default if unset."""
+    """Memory per node as Slurm writes it (e.g. `480G`); the partition default if unset. Where the site
+    contains jobs with cgroups (`ConstrainRAMSpace`), that default (often `DefMemPerCPU` times the cores) is
+    the node's limit for Ray, the trainer ranks and the engines together: ask for what they need."""
     gpu_type: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """GPU model as the site's Slurm names it (the type in `sinfo -o %G`'s `gpu:a100:8` is `a100`): the job
     asks for `--gres=gpu:<gpu_type>:<gpus_per_node>` on each node. Any model when unset (`--gres=gpu:N`)."""
