@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from agentic_runs import two_step_run
 from test_multiturn import AGENT, gone
 
 
+@pytest.mark.full(covered_by="tests/integration/test_multiturn.py::test_agent_programs_calls_are_recorded_with_masks_and_a_hung_one_is_killed")
 def test_agent_programs_train_two_steps_and_a_hung_one_is_killed_and_counted(tmp_path):
     (tmp_path / "agent.py").write_text(AGENT)
     agent = {"command": f"{sys.executable} agent.py", "timeout_s": 20}

@@ -75,8 +75,14 @@ class Watched:
         return [i for _, ids, _ in self.trained for i in ids]
 
 
-@pytest.mark.parametrize("bound", [1, 2])
-@pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
+STALENESS_FULL = pytest.mark.full(covered_by="tests/integration/test_async_modes.py::"
+                                  "test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_steps_start[fully_async-2]")
+
+
+@pytest.mark.parametrize(("mode", "bound"), [
+    pytest.param("fully_async", 1, marks=STALENESS_FULL), ("fully_async", 2),
+    pytest.param("hybrid", 1, marks=STALENESS_FULL), pytest.param("hybrid", 2, marks=STALENESS_FULL),
+])
 def test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_steps_start(
         local_ray, tmp_path, monkeypatch, mode, bound, one_torch_thread):
     """Two updates per step (global batch 8 of 16): the ratio's anchor, logp_old, is computed with the weights
@@ -97,6 +103,7 @@ def test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_step
     assert any(r["tis_weight"] != 1.0 for r in rows)  # the importance weight compared it with older policies
 
 
+@pytest.mark.full(covered_by="tests/integration/test_async_modes.py::test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_steps_start[fully_async-2]")
 def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_torch_thread):
     watched = Watched(tmp_path, monkeypatch, "mode=fully_async", "rollout.max_staleness=0", "train.steps=6")
     assert watched.run_loop() == "completed"
@@ -127,6 +134,7 @@ def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
     assert all(k in rows[-1] for k in ("queue_depth", "trainer_idle_s", "rollout_idle_s", "samples_per_s"))
 
 
+@pytest.mark.full(covered_by="tests/integration/test_async_modes.py::test_quickstart_reaches_its_goal_in_each_async_mode[fully_async]")
 def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_the_driver(
         local_ray, tmp_path, monkeypatch, one_torch_thread):
     """fully_async with the reference service on (a KL loss, a reference node group): 2 trainer ranks,
@@ -176,6 +184,7 @@ def assert_same_steps(rows: list[dict], expected: list[dict], rel: float) -> Non
                 assert row[key] == pytest.approx(other[key], rel=rel, abs=1e-7), (row["step"], key)
 
 
+@pytest.mark.full(covered_by="tests/integration/test_async_modes.py::test_quickstart_reaches_its_goal_in_each_async_mode[fully_async]")
 def test_fully_async_ppo_trains_as_hybrid_does_and_resumes(local_ray, tmp_path, monkeypatch, one_torch_thread):
     """PPO, two ranks, two optimizer steps per step (global batch 8 of 16 samples), one critic warmup step.
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from engine_fixtures import EngineServer
 from relax_runs import relax, start_relax, wait_for
 
@@ -103,6 +104,7 @@ def same_weights(first: str, second: str, key: str) -> tuple[str, float]:
     raise AssertionError("the two engines never answered at the same weight version")
 
 
+@pytest.mark.full(covered_by="tests/integration/test_slurm_launch.py::test_scale_rollout_grows_the_job_onto_a_second_slurm_job_and_back")
 def test_a_local_run_grows_and_shrinks_while_it_trains_through_its_api_or_its_run_directory(tmp_path):
     run, out = tmp_path / "run", tmp_path / "driver.out"
     driver = start_relax("submit", str(QUICKSTART), *ELASTIC_RUN, "train.steps=1000", "--executor", "local",

@@ -31,7 +31,10 @@ ROLLOUT = {"prompts_per_step": 4, "n_samples_per_prompt": 4}  # 16 judge calls a
 relax = partial(relax_cli, timeout=600, drop=("RELAX_GENRM_URL",))  # whole runs: longer than a command's 120 s
 
 
-@pytest.mark.parametrize("mode", ["colocate", "fully_async"])  # the driver's hub, or the rollout service's
+# the driver's hub, or the rollout service's
+@pytest.mark.parametrize("mode", ["colocate", pytest.param("fully_async", marks=pytest.mark.full(
+    covered_by="tests/integration/test_genrm_run.py::"
+               "test_a_run_judged_by_the_judge_relax_starts_and_stops[colocate]"))])
 def test_a_run_judged_by_the_judge_relax_starts_and_stops(tmp_path: Path, mode: str):
     judge = echo_judge_model(tmp_path / "judge")
     genrm = {"model": "judge", "num_engines": 2, "max_new_tokens": 1,

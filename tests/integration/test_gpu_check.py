@@ -13,10 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PARTS = {"model", "fsdp", "megatron", "parity", "checkpoint", "ipc", "weights"}
 
 
+@pytest.mark.full(covered_by="tests/integration/test_megatron_gpu_path.py::test_a_step_on_an_accelerator_keeps_every_tensor_there_and_gives_the_cpus_numbers[one-rank-fp32]")
 def test_every_part_of_the_gpu_check_passes_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "gpu" / "check.py"), "--device", "cpu",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, cwd=tmp_path)

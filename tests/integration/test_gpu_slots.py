@@ -21,6 +21,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 FAKE_SGLANG = '''
@@ -103,6 +105,7 @@ def test_colocated_engines_share_the_trainer_ranks_gpus_within_the_node(tmp_path
     assert result["free_gpus"] == 0
 
 
+@pytest.mark.full(covered_by="tests/integration/test_gpu_slots.py::test_colocated_engines_share_the_trainer_ranks_gpus_within_the_node")
 def test_asynchronous_engines_get_gpus_of_their_own(tmp_path):
     result, engines = place(tmp_path, ["mode=fully_async", "cluster.rollout.nodes=1"], gpus=16)
     trainers = result["trainers"]

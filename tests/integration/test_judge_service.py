@@ -146,6 +146,7 @@ def test_untrusted_code_stops_the_judge_engine_with_the_reason(local_ray, tmp_pa
         service.stop()
 
 
+@pytest.mark.full(covered_by="tests/integration/test_processes.py::test_a_failed_set_up_stops_what_it_started")
 def test_a_failed_set_up_stops_the_judge_engines(local_ray, one_judge, tmp_path, one_torch_thread):
     import ray
     from test_processes import damaged_model

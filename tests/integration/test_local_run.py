@@ -250,6 +250,7 @@ def test_a_reward_plugin_next_to_the_recipe_trains_with_no_other_change(tmp_path
     assert proc.returncode == 2 and "broken.py" in proc.stderr and "no_such_module" in proc.stderr
 
 
+@pytest.mark.full(covered_by="tests/integration/test_local_run.py::test_quickstart_learns_the_task")
 def test_on_a_terminal_submit_shows_one_live_line_and_the_log_keeps_every_step(tmp_path):
     """`relax submit` on a terminal (a pseudo-terminal here) redraws one progress line with the bar, ETA
     and latest figures instead of printing a line per step; the driver log has every step."""

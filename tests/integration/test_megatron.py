@@ -46,8 +46,13 @@ def moe(tmp_path_factory) -> Path:
 
 
 # ----------------------------------------------------------------- HF -> Megatron
+LOGITS_FULL = pytest.mark.full(
+    covered_by="tests/integration/test_megatron.py::test_megatron_gives_the_hf_models_logits_and_weights[tp2]")
+
+
 @pytest.mark.parametrize(("kind", "layout", "world"), [
-    ("dense", {"tp": 2}, 2), ("dense", {"pp": 2}, 2), ("moe", {"ep": 2}, 2),
+    ("dense", {"tp": 2}, 2),
+    pytest.param("dense", {"pp": 2}, 2, marks=LOGITS_FULL), pytest.param("moe", {"ep": 2}, 2, marks=LOGITS_FULL),
 ], ids=["tp2", "pp2", "moe-ep2"])
 def test_megatron_gives_the_hf_models_logits_and_weights(request, tmp_path, kind, layout, world):
     model = request.getfixturevalue(kind)
@@ -138,10 +143,15 @@ def test_a_megatron_trainer_that_hands_its_memory_back_trains_on_unchanged(dense
 
 
 # ------------------------------------------------------------- checkpoints
+RESUME_FULL = pytest.mark.full(
+    covered_by="tests/integration/test_megatron.py::test_a_checkpoint_resumes_with_another_layout_and_goes_on_as_before[optimizer]")
+
+
 @pytest.mark.parametrize(("saved_as", "resumed_as", "extra"), [
     (({"tp": 2}, 2), [({"tp": 2}, 2), ({}, 2)], {}),  # the same layout; TP=2 -> DP=2
-    (({"distopt": True}, 2), [({"distopt": True}, 1)], {}),  # sharded Adam over DP=2 -> one rank
-    (({"tp": 2}, 2), [({"tp": 2}, 2), ({}, 2)], {"critic": True, "algorithm": "ppo"}),  # PPO's critic too
+    pytest.param(({"distopt": True}, 2), [({"distopt": True}, 1)], {}, marks=RESUME_FULL),  # sharded Adam, DP=2 -> 1
+    pytest.param(({"tp": 2}, 2), [({"tp": 2}, 2), ({}, 2)], {"critic": True, "algorithm": "ppo"},
+                 marks=RESUME_FULL),  # PPO's critic too
 ], ids=["optimizer", "distributed-optimizer", "critic"])
 def test_a_checkpoint_resumes_with_another_layout_and_goes_on_as_before(dense, tmp_path, saved_as, resumed_as,
                                                                          extra):
@@ -238,6 +248,7 @@ SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "checkp
          "checkpoint.keep_last=5", "logging.backends=[]"]
 
 
+@pytest.mark.full(covered_by="tests/integration/test_megatron.py::test_a_checkpoint_resumes_with_another_layout_and_goes_on_as_before[optimizer]")
 def test_a_resumed_megatron_run_is_bit_identical(tmp_path):
     from relax_core.checkpoint import export_hf
 

@@ -143,6 +143,7 @@ def verify(ckpt: Path, out: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.full(covered_by="tests/integration/test_megatron.py::test_its_checkpoint_loads_into_a_fresh_megatron_model_and_converts_verified")
 def test_a_bf16_checkpoint_is_verified_in_bf16_weight_for_weight(dense, tmp_path):
     from safetensors.torch import load_file, save_file
 

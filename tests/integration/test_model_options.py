@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
+import pytest
 import yaml
 from model_dirs import OTHER_TEMPLATE, custom_code_model, other_tokenizer
 from relax_runs import relax as relax_cli
@@ -24,6 +25,7 @@ QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
 relax = partial(relax_cli, timeout=600)  # whole runs: longer than a command's 120 s
 
 
+@pytest.mark.full(covered_by="tests/integration/test_local_run.py::test_a_reward_plugin_next_to_the_recipe_trains_with_no_other_change")
 def test_a_run_uses_the_named_tokenizer_and_trusts_the_models_code(tmp_path):
     from transformers import AutoTokenizer
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +68,7 @@ def test_a_parquet_in_the_openr1_schema_trains_and_an_oversize_image_is_skipped(
     assert "skipped a prompt" in log and "rollout.max_prompt_len=125" in log, log[-2000:]
 
 
+@pytest.mark.full(covered_by="tests/integration/test_multimodal_runs.py::test_a_parquet_in_the_openr1_schema_trains_and_an_oversize_image_is_skipped")
 def test_a_jsonl_in_the_omni_schema_with_a_video_trains_fully_async(tmp_path):
     from relax_core.data.synthetic_media import write_tone_pairs, write_video
 

@@ -65,7 +65,8 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("mode", ["colocate", "fully_async"])
+@pytest.mark.parametrize("mode", ["colocate", pytest.param("fully_async", marks=pytest.mark.full(
+    covered_by="tests/integration/test_recovery.py::test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost[colocate]"))])
 def test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost(tmp_path, mode, webhook):
     run, out = tmp_path / "run", tmp_path / "driver.out"
     # The colocate run also tells a webhook (test_notify.py), and a second one nobody answers.
@@ -156,6 +157,7 @@ def test_the_watch_ends_a_stopped_engine_within_the_health_timeout(tiny_model_di
             stopped.proc.kill()
 
 
+@pytest.mark.full(covered_by="tests/integration/test_recovery.py::test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost[colocate]")
 def test_an_engine_past_its_restarts_is_left_out_and_with_none_left_the_run_ends_naming_it(tmp_path, webhook):
     """Two engines, `recovery.max_engine_restarts=0`: the first killed is left out and the run goes on with
     the other; when that one is killed too, the run ends naming it and its log."""
@@ -239,6 +241,7 @@ def test_a_trainer_rank_killed_mid_run_restarts_the_job_from_its_checkpoint_as_a
     assert [r["reward_mean"] for r in steps(run)] == [r["reward_mean"] for r in steps(tmp_path / "resumed")]
 
 
+@pytest.mark.full(covered_by="tests/integration/test_recovery.py::test_a_trainer_rank_killed_mid_run_restarts_the_job_from_its_checkpoint_as_a_resume_would")
 def test_a_trainer_rank_that_stops_answering_is_ended_and_past_the_restart_limit_the_run_fails(tmp_path, webhook):
     run, out = tmp_path / "run", tmp_path / "driver.out"
     driver = start_relax("submit", str(QUICKSTART), *TWO_RANKS, "train.steps=200", "recovery.health_timeout_s=3",

@@ -274,6 +274,7 @@ def read_events(path: Path) -> list[tuple[str, float]]:
     return [(name, float(at)) for name, at in (line.split() for line in path.read_text().splitlines())]
 
 
+@pytest.mark.full(covered_by="tests/integration/test_slurm_steps.py::test_a_preempted_job_is_requeued_at_once")
 def test_a_preempted_job_gets_sigterm_in_its_steps_then_in_its_batch_script_and_is_requeued(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -307,6 +308,7 @@ while true; do sleep 0.1; done
         assert at["BATCH_TERM"] - at["STEP_TERM"] >= slurm_cluster.preempt_grace_s - 1
 
 
+@pytest.mark.full(covered_by="tests/integration/test_slurm_steps.py::test_a_preempted_job_is_requeued_at_once")
 def test_a_preempted_job_that_may_not_be_requeued_ends_preempted(slurm_cluster: SlurmCluster) -> None:
     job_id = slurm_cluster.submit(
         "#!/bin/bash\nsleep 120\n", f"--partition={slurm_cluster.preemptible_partition}", "--nodelist=n2",

@@ -98,6 +98,7 @@ def test_quickstart_runs_to_completion_on_a_heterogeneous_job(slurm_cluster, tmp
     assert oct(token.stat().st_mode & 0o777) == "0o600"
 
 
+@pytest.mark.full(covered_by="tests/integration/test_slurm_launch.py::test_quickstart_runs_to_completion_on_a_heterogeneous_job")
 def test_fully_async_with_a_reference_group_runs_each_service_on_its_own_node(slurm_cluster, tmp_path):
     """A three-component job: training on n1, rollout on n2, the reference service on n3 (het group 2, which
     joins Ray with its resource); the run completes with the KL term fed by the reference service."""
@@ -118,6 +119,7 @@ def test_fully_async_with_a_reference_group_runs_each_service_on_its_own_node(sl
     assert all(r["staleness_max"] <= 1 for r in rows)
 
 
+@pytest.mark.full(covered_by="tests/integration/test_listening_sockets.py::test_every_process_of_a_local_job_listens_on_loopback_only")
 def test_ray_cluster_refuses_a_driver_without_the_token(slurm_cluster, tmp_path):
     """An outsider is turned away at once: the GCS answers UNAUTHENTICATED within milliseconds, and a
     `ray.init` without the token fails within seconds (each of Ray's connect retries is refused; a
@@ -239,6 +241,7 @@ def test_scale_rollout_grows_the_job_onto_a_second_slurm_job_and_back(slurm_clus
     assert 2.0 in [r["engines"] for r in rows] and rows[-1]["engines"] == 1.0
 
 
+@pytest.mark.full(covered_by="tests/integration/test_slurm_steps.py::test_a_step_slurm_does_not_start_fails_the_job_within_the_startup_timeout_naming_it[driver]")
 def test_a_rollout_node_whose_ray_worker_cannot_start_fails_the_job_naming_it(slurm_cluster, tmp_path):
     start = time.monotonic()
     submit(tmp_path, "runs/bad", "cluster.rollout.env={RAY_AUTH_TOKEN_PATH: /nonexistent/token}",

@@ -122,7 +122,8 @@ def test_a_ray_node_step_gets_its_groups_cpus_and_gpus_and_the_driver_starts_bes
 
 # srun prints "step creation temporarily disabled" only after its first wait for the step (60 s or more:
 # src/srun/launch.c, step_wait), so the failure here may quote nothing of srun's yet.
-@pytest.mark.parametrize("blocked", ["driver", "node"])
+@pytest.mark.parametrize("blocked", ["driver", pytest.param("node", marks=pytest.mark.full(
+    covered_by="tests/integration/test_slurm_steps.py::test_a_step_slurm_does_not_start_fails_the_job_within_the_startup_timeout_naming_it[driver]"))])
 def test_a_step_slurm_does_not_start_fails_the_job_within_the_startup_timeout_naming_it(
         slurm_cluster: SlurmCluster, tmp_path: Path, blocked: str) -> None:
     started = time.monotonic()

@@ -15,6 +15,7 @@ import json
 import subprocess
 import time
 
+import pytest
 import yaml
 from agentic_runs import REPO, two_step_run
 
@@ -119,6 +120,7 @@ class Scripted(ToolEnv):
 '''
 
 
+@pytest.mark.full(covered_by="tests/integration/test_agent_quickstart.py::test_the_agentic_quickstart_doubles_its_reward")
 def test_a_run_whose_tool_calls_fail_every_way_completes_every_step(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS)
     (tmp_path / "scripted.py").write_text(SCRIPTED)

@@ -271,6 +271,7 @@ def test_the_command_line_refuses_it_with_exit_2_and_writes_nothing(tmp_path):
     assert "Traceback" not in proc.stderr and proc.stdout == "" and sorted(tmp_path.rglob("*")) == before
 
 
+@pytest.mark.full(covered_by="tests/integration/test_fsdp.py::test_the_quick_start_trains_sharded_over_two_ranks_and_exports")
 def test_a_local_run_takes_the_recipes_optimizer_steps_on_every_rank(tmp_path):
     """The real driver (Ray, 2 gloo trainer ranks, the engine): 128 samples per step in 4 optimizer steps of 32
     (16 per rank), 2 epochs; the metrics file shows 8 optimizer steps per step and a ratio that left 1."""
