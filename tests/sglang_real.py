@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import threading
 import types
@@ -170,6 +171,10 @@ def _join_and_receive(which: str, init_method: str, world_size: int, rank: int, 
         dist.broadcast(t, src=0, group=group)
         sums.append(float(t.sum()))
     Path(out).write_text(json.dumps(sums))
+    # Leave as the test ranks do (tests/integration/gloo_exit.py): once every rank is done, and without gloo's
+    # teardown at exit, which aborted this child now and then ('terminate called without an active exception').
+    dist.barrier(group=group)
+    os._exit(0)
 
 
 # ------------------------------------------------------------------ the engine stand-in

@@ -240,6 +240,7 @@ def test_the_pinned_copy_of_sglangs_group_function_joins_the_same_group_as_sglan
         group = init_weight_update_group(HOST, port, 0, 3, "weight_update_group", "gloo", GROUP_TIMEOUT, sock)
         for t in tensors:
             torch.distributed.broadcast(t, src=0, group=group)
+        torch.distributed.barrier(group=group)  # the children leave once all three are done
         for which, proc in procs.items():
             assert proc.wait(timeout=120) == 0, which
             assert json.loads((tmp_path / which).read_text()) == [float(t.sum()) for t in tensors], which
