@@ -96,6 +96,8 @@ def place(tmp_path: Path, overrides: list[str], gpus: int) -> tuple[dict, list[l
     return result, engines
 
 
+@pytest.mark.full(covered_by="tests/unit/test_placement.py::"
+                              "test_the_simulated_device_refuses_what_cuda_refuses")
 def test_colocated_engines_share_the_trainer_ranks_gpus_within_the_node(tmp_path):
     """4 engines x TP 2 and 8 trainer ranks on a node of 8 GPUs (before: 8 + 4 x 2 = 16 asked of 8)."""
     result, engines = place(tmp_path, [], gpus=8)
@@ -105,7 +107,7 @@ def test_colocated_engines_share_the_trainer_ranks_gpus_within_the_node(tmp_path
     assert result["free_gpus"] == 0
 
 
-@pytest.mark.full(covered_by="tests/integration/test_gpu_slots.py::test_colocated_engines_share_the_trainer_ranks_gpus_within_the_node")
+@pytest.mark.full(covered_by="tests/unit/test_placement.py::test_the_simulated_device_refuses_what_cuda_refuses")
 def test_asynchronous_engines_get_gpus_of_their_own(tmp_path):
     result, engines = place(tmp_path, ["mode=fully_async", "cluster.rollout.nodes=1"], gpus=16)
     trainers = result["trainers"]

@@ -100,6 +100,8 @@ def test_the_judge_answers_only_with_the_runs_key(one_judge, tmp_path):
     assert one_judge.api_key and len(one_judge.api_key) >= 32
 
 
+@pytest.mark.full(covered_by="tests/integration/test_genrm_run.py::"
+                              "test_a_run_judged_by_the_judge_relax_starts_and_stops[colocate]")
 def test_two_judge_engines_share_the_calls_and_stop_with_the_service(local_ray, one_judge, tmp_path):
     import ray
 

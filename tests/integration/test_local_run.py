@@ -160,6 +160,8 @@ def resumed_runs(tmp_path_factory) -> dict:
     return {"cwd": cwd, "second": second, "run_id": run_id, "wandb_before": before}
 
 
+@pytest.mark.full(covered_by="tests/integration/test_preemption.py::"
+                              "test_a_stop_signal_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes[colocate-10]")
 def test_resume_is_exact(resumed_runs):
     cwd, second = resumed_runs["cwd"], resumed_runs["second"]
     assert "step 3/4" in second.stdout and "step 1/4" not in second.stdout  # it continued, not restarted
@@ -177,6 +179,8 @@ def test_resume_is_exact(resumed_runs):
     assert [r["reward_mean"] for r in rows_a] == [r["reward_mean"] for r in rows_b]
 
 
+@pytest.mark.full(covered_by="tests/integration/test_local_run.py::"
+                              "test_run_directory_holds_everything")
 def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(resumed_runs):
     """Trackers as a user on a cluster without a network uses them (`logging.backends: [jsonl, wandb]`): an
     offline W&B run under RUN/wandb whose every step holds the metrics of metrics.jsonl, in the project the

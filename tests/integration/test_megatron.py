@@ -81,12 +81,16 @@ def fused(weights: dict, experts: int = 4) -> dict:
     return dict(transformers_named({"num_experts": experts})(weights.items()))
 
 
+STEP_FULL = pytest.mark.full(covered_by="tests/integration/test_megatron.py::test_one_step_gives_the_torch_backends_"
+                                       "loss_and_weights[tp2-dapo-2-steps-of-2-minibatches]")
+
+
 @pytest.mark.parametrize(("kind", "layout", "world", "extra"), [
     ("dense", {}, 1, {"recompute": True}),
     ("dense", {"tp": 2}, 2, {"steps": 2, "minis": 2, "algorithm": "dapo"}),
-    ("dense", {"pp": 2}, 2, {}),
-    ("dense", {"distopt": True}, 2, {}),
-    ("moe", {"ep": 2}, 2, {}),
+    pytest.param("dense", {"pp": 2}, 2, {}, marks=STEP_FULL),
+    pytest.param("dense", {"distopt": True}, 2, {}, marks=STEP_FULL),
+    pytest.param("moe", {"ep": 2}, 2, {}, marks=STEP_FULL),
 ], ids=["tp1-recompute", "tp2-dapo-2-steps-of-2-minibatches", "pp2", "dp2-distributed-optimizer", "moe-ep2"])
 def test_one_step_gives_the_torch_backends_loss_and_weights(request, tmp_path, kind, layout, world, extra):
     model = request.getfixturevalue(kind)

@@ -63,6 +63,8 @@ def send_weights(url: str, named: list) -> None:
     assert httpx.post(f"{url}/end_weight_update", timeout=30).json()["success"]
 
 
+@pytest.mark.full(covered_by="tests/integration/test_multimodal_runs.py::"
+                              "test_a_parquet_in_the_openr1_schema_trains_and_an_oversize_image_is_skipped")
 def test_engine_logprobs_equal_the_trainers_after_a_step_and_a_sync(model_dir, tmp_path):
     rows = build_prompt_source(SyntheticData(task="colours", seed=4)).next_batch(4)
     trainer = TorchTrainer(model_dir, TorchTrainerConfig(micro_batch_size=4, lr=5e-2))

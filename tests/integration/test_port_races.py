@@ -20,7 +20,8 @@ from relax_core.rollout.router import Router
 # `engine` (conftest.py): the session's engine server on `tiny_model_dir`, behind each router here.
 
 
-@pytest.mark.parametrize("taken", ["port", "metrics_port"])
+@pytest.mark.parametrize("taken", ["port", pytest.param("metrics_port", marks=pytest.mark.full(
+    covered_by="tests/integration/test_port_races.py::test_the_router_starts_on_fresh_ports_when_a_picked_one_was_taken[port]"))])
 def test_the_router_starts_on_fresh_ports_when_a_picked_one_was_taken(engine, tiny_model_dir, tmp_path,
                                                                       monkeypatch, taken):
     with socket.socket() as other:  # another program, listening on the port the router is about to get

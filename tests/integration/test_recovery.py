@@ -117,6 +117,8 @@ def test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost(t
         told_about_a_run(webhook, run)
 
 
+@pytest.mark.full(covered_by="tests/integration/test_recovery.py::"
+                              "test_an_engine_killed_or_stopped_mid_run_is_replaced_and_no_sample_is_lost[colocate]")
 def test_the_watch_ends_a_stopped_engine_within_the_health_timeout(tiny_model_dir, tmp_path):
     """`recovery.health_timeout_s` is how long a stopped engine gets: a real engine server is stopped
     (SIGSTOP), and the watch gives up on it within the timeout and ends it, while a healthy one is kept."""

@@ -14,6 +14,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+import pytest
 import yaml
 from relax_runs import relax as relax_cli
 
@@ -38,6 +39,8 @@ def flaky_judge(response, label, metadata):
 relax = partial(relax_cli, timeout=600)  # whole runs: longer than a command's 120 s
 
 
+@pytest.mark.full(covered_by="tests/unit/test_reward_failures.py::"
+                              "test_the_first_error_named_is_that_of_the_reward_that_failed_most")
 def test_a_run_whose_reward_keeps_failing_stops_naming_the_reward_and_its_first_error(tmp_path: Path):
     (tmp_path / "judges").mkdir()
     (tmp_path / "judges" / "flaky.py").write_text(FLAKY)
