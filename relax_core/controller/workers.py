@@ -415,11 +415,13 @@ class EngineWorker:
                  tp_size: int = 1, python: str = sys.executable, gpus: list[str] | None = None,
                  video: dict | None = None):
         from relax_core.controller.engine_process import EngineProcess
+        from relax_core.rollout.router import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_ENV
 
         host = node_ip()  # bind to the cluster's interface only
         self.ready_timeout_s = SGLANG_READY_TIMEOUT_S if engine == "sglang" else ENGINE_READY_TIMEOUT_S
         # The key travels in the environment, which other users cannot read (unlike the command line).
-        env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key}
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key,
+                            KEEP_ALIVE_ENV: str(ENGINE_KEEP_ALIVE_S)}  # why: rollout/router.py (Keep-alive)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         parent = os.getpid()

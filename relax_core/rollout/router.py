@@ -46,6 +46,26 @@ only while they generate or receive weights, and replaces those that do not
 answer. The router still asks an engine for `/health` once, when it
 registers it (start, `add_engine`): an engine that joins holds its memory.
 
+Failures: the router's circuit breaker is off (`--disable-circuit-breaker`).
+It counts an engine's failed requests (and each of the router's own retries)
+and, past 10 in two minutes, sends that engine nothing for a minute; with one
+engine, or all of them, every request is answered 503 "No available workers
+(all circuits open or unhealthy)" while the engines answer /health (upstream:
+sglang issue 13894, slime issue 1148). Relax's recovery
+(controller/recovery.py) decides whether an engine is gone: it asks each engine
+and replaces those that do not answer, and a 503 from a router whose engines
+all answer would end the run. A failed request is still retried by the router
+(on another engine where the routing key allows).
+
+Keep-alive: the engines keep an idle connection open for `ENGINE_KEEP_ALIVE_S`
+(SGLang's `SGLANG_TIMEOUT_KEEP_ALIVE`, which the CPU engine reads too; both
+default to 5 s), longer than the router keeps idle connections in its pool
+(sglang-router's client: 50 to 90 s, depending on the version). With 5 s the
+engine closes connections the router still holds, and a request written on one
+as it closes fails (a reset) though the engine is well; Relax's own client
+closes its idle connections after `client.KEEPALIVE_S`, below 5 s, for the same
+reason.
+
 Drained: the router does not report a removed worker's in-flight requests,
 so `remove_engine` watches the engine itself: SGLang's `GET /v1/loads`
 (running and waiting requests per data-parallel rank, summed) until it reads
@@ -76,6 +96,11 @@ LOAD_KEYS = ("num_running_reqs", "num_waiting_reqs")  # what an engine holds, in
 BIND_ATTEMPTS = 5  # fresh ports tried when another process took the picked ones first
 PORT_TAKEN = "Address already in use"
 
+
+# How long an engine Relax starts keeps an idle connection open (`SGLANG_TIMEOUT_KEEP_ALIVE`): longer than the
+# router's pool keeps one (why: the module docstring, Keep-alive).
+ENGINE_KEEP_ALIVE_S = 120
+KEEP_ALIVE_ENV = "SGLANG_TIMEOUT_KEEP_ALIVE"
 
 # How long the router remembers which engine a key went to after the key's last request: a group's
 # samples are all sent within its step; an hour keeps the table small on a long run.
@@ -141,6 +166,7 @@ class Router:
             "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
             "--log-level", self.log_level,
             "--disable-health-check",  # why: the module docstring (Health)
+            "--disable-circuit-breaker",  # why: the module docstring (Failures)
             "--worker-urls", *worker_urls,
         ]  # fmt: skip
 

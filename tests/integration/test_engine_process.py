@@ -12,6 +12,7 @@ for `sglang.launch_server` that reports what it was given.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from engine_fixtures import tiny_model_dir  # noqa: F401
 
 from relax_core.controller.engine_process import EngineStartError
 from relax_core.controller.workers import EngineWorker
@@ -36,6 +38,7 @@ SCRIPT = textwrap.dedent("""\
     child = subprocess.Popen([{python!r}, "-c", "import time; time.sleep(600)"])
     with open(record, "a") as f:
         f.write(json.dumps({{"argv": sys.argv, "key": os.environ.get("RELAX_ENGINE_API_KEY"),
+                            "keep_alive": os.environ.get("SGLANG_TIMEOUT_KEEP_ALIVE"),
                             "pid": os.getpid(), "child": child.pid, "port": port}}) + "\\n")
     print("Loading safetensors checkpoint shards", flush=True)
     if mode == "crash":
@@ -122,6 +125,9 @@ def test_the_engine_gets_sglangs_command_line_and_its_key_only_in_the_environmen
         max_running_requests=32, weight_version="0", engine_args={"mem_fraction_static": 0.7},
         trust_remote_code=False)[1:]
     assert started["key"] == "s3cret" and not any("s3cret" in arg for arg in started["argv"])
+    # SGLang keeps an idle connection 5 s unless told; sglang-router pools its connections 50 to 90 s
+    # (rollout/router.py, Keep-alive): the engine must hold them longer.
+    assert int(started["keep_alive"]) > 90
 
 
 def test_stop_ends_the_engines_whole_process_group(fake_python):
@@ -175,3 +181,26 @@ def test_the_launcher_hands_sglang_the_key_in_process_not_on_the_command_line(tm
     assert seen["argv"][1:] == argv[3:] + ["--api-key", "s3cret"]  # SGLang parses the key from its argv
     assert not any("s3cret" in part for part in seen["cmdline"])  # the process list never shows it
     assert seen["env"] is None  # and SGLang's own processes do not inherit it
+
+
+def test_a_cpu_engine_keeps_an_idle_connection_open_longer_than_sglangs_default_5_s(
+        tiny_model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """The router reuses a pooled connection after seconds of idleness; an engine that closed it at 5 s
+    (uvicorn's and SGLang's default) fails the request written on it as it closes."""
+    monkeypatch.setenv("RELAX_NODE_IP", "127.0.0.1")
+    worker = EngineWorker(0, str(tiny_model_dir), str(tmp_path / "engine.log"), "s3cret", 1, 0, 8)
+    try:
+        host, port = worker.wait_ready(timeout_s=120).removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        headers = {"Authorization": "Bearer s3cret"}
+        try:
+            conn.request("GET", "/get_model_info", headers=headers)
+            assert conn.getresponse().read() and conn.sock is not None, "the first request keeps its connection"
+            first = conn.sock.getsockname()
+            time.sleep(6.5)
+            conn.request("GET", "/get_model_info", headers=headers)  # on a connection the engine closed: fails
+            assert conn.getresponse().status == 200 and conn.sock.getsockname() == first
+        finally:
+            conn.close()
+    finally:
+        worker.stop()

@@ -303,11 +303,16 @@ class ProbedEngine(BaseHTTPRequestHandler):
     """An engine that records every request it gets (path and time) and answers like SGLang's server."""
 
     seen: list[tuple[float, str]] = []
+    failing = 0  # /generate requests still to answer 500
 
     def _answer(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         self.rfile.read(length)
         ProbedEngine.seen.append((time.monotonic(), self.path.split("?")[0]))
+        if self.path.startswith("/generate") and ProbedEngine.failing > 0:
+            ProbedEngine.failing -= 1
+            self.send_error(500)
+            return
         item = {"text": "a", "output_ids": [5], "meta_info": {"finish_reason": {"type": "length"},
                                                               "weight_version": "p"}}
         data = json.dumps(item if self.path.startswith("/generate") else {}).encode()
@@ -325,7 +330,7 @@ class ProbedEngine(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def probed_engine():
-    ProbedEngine.seen = []
+    ProbedEngine.seen, ProbedEngine.failing = [], 0
     server = ThreadingHTTPServer((HOST, 0), ProbedEngine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://{HOST}:{server.server_address[1]}"
@@ -349,3 +354,23 @@ def test_the_router_never_probes_an_engines_health_once_it_routes_to_it(
     probes = [path for at, path in ProbedEngine.seen if at > routed and path.startswith("/health")]
     assert probes == [], ProbedEngine.seen
     assert "/generate" in [path for _, path in ProbedEngine.seen]
+
+
+def test_an_engine_that_failed_requests_is_routed_to_as_soon_as_it_answers_again(
+        probed_engine, tiny_model_dir, tmp_path):  # noqa: F811
+    """An engine that answered 30 requests (the router's own retries among them) with 500 serves the next
+    one: the router does not shut it out for a minute ("No available workers (all circuits open or
+    unhealthy)", its circuit breaker's answer after 10 failures, while the engine answers /health). Whether
+    an engine is gone is Relax's recovery's call (controller/recovery.py), which asks the engine itself."""
+    ProbedEngine.failing = 30
+    answers = []
+    with Router(HOST, free_port(), str(tiny_model_dir), API_KEY, str(tmp_path / "router.log")) as router:
+        router.start([probed_engine])
+        with httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as http:
+            for _ in range(15):
+                reply = http.post(f"{router.url}/generate", json={"input_ids": [5, 6]})
+                answers.append((reply.status_code, reply.text[:80]))
+                if reply.status_code == 200:
+                    break
+    assert ProbedEngine.failing == 0 and answers[-1][0] == 200, answers
+    assert not [a for a in answers if "No available workers" in a[1]], answers

@@ -16,6 +16,9 @@ import socket
 import sys
 
 READY_PREFIX = "relax-cpu-engine ready"
+# How long an idle client connection stays open: SGLang's SGLANG_TIMEOUT_KEEP_ALIVE (srt/environ.py, 5 s by
+# default), read from the same variable, which Relax sets for the engines it starts (rollout/router.py).
+KEEP_ALIVE_DEFAULT_S = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +72,11 @@ def main(argv: list[str] | None = None) -> None:
                                  ("video_max_frames", args.video_max_frames)) if v is not None},
     )
     app = create_app(state, api_key=args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    from relax_core.rollout.router import KEEP_ALIVE_ENV
+
+    keep_alive = int(os.environ.get(KEEP_ALIVE_ENV, KEEP_ALIVE_DEFAULT_S))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            timeout_keep_alive=keep_alive)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
