@@ -46,7 +46,7 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
 
             bus_import = pool.submit(import_tq)
         log.info("starting a local Ray cluster")
-        start_local_ray(run, num_cpus=cpus, resources=local_slots(recipe))
+        start_local_ray(run, num_cpus=cpus, resources=local_slots(recipe), bus=recipe.mode != "colocate")
         log.info("Ray cluster up")
         stop = threading.Event()
         stop_on_signals(stop)  # after Ray's start-up, which installs a TERM handler of its own
