@@ -51,8 +51,7 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
     `tq_import.install` as it starts (`WORKER_SETUP`). Workers Ray starts ahead of the job, which take
     the job's first actors at once (a worker process up and Ray imported: about 0.6 s of the start-up
     measured on 2 cores), are started without the job's runtime environment and never take an actor of a
-    job that has one: with the hook Ray starts none (they would only take CPU while the job starts);
-    without it (colocate) they take the engine and trainer actors.
+    job that has one: without it (colocate) they take the engine and trainer actors.
     """
     global _reaper
     os.environ.update(token_env(run))  # before Ray reads its configuration
@@ -78,7 +77,6 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
         namespace=run.path.name,
         object_store_memory=OBJECT_STORE_BYTES,
         runtime_env=WORKER_SETUP if bus else None,
-        _system_config={"prestart_worker_first_driver": not bus},
     )
     return temp_dir
 
