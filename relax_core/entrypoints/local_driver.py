@@ -37,22 +37,23 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
     # + 2: TransferQueue's controller and storage unit each hold a Ray CPU (the asynchronous modes);
     # the project's own actors take none (their cores are the node groups').
     cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines) + 2
+    bus = recipe.mode != "colocate"  # TransferQueue, the asynchronous modes' data bus
     with ThreadPoolExecutor(1, thread_name_prefix="model-dir") as pool:
         # The model directory (and the import of torch and transformers it takes) while Ray starts,
         # which mostly waits for its processes; the job then finds it ready.
         model_dir = pool.submit(prepare_model_dir, recipe, run)
-        if recipe.mode != "colocate":  # TransferQueue's import too (4-6 CPU-s), which the job needs first
+        if bus:  # TransferQueue's import too (4-6 CPU-s), which the job needs first
             from relax_core.data.bus import import_tq
 
             bus_import = pool.submit(import_tq)
         log.info("starting a local Ray cluster")
-        start_local_ray(run, num_cpus=cpus, resources=local_slots(recipe), bus=recipe.mode != "colocate")
+        start_local_ray(run, num_cpus=cpus, resources=local_slots(recipe), bus=bus)
         log.info("Ray cluster up")
         stop = threading.Event()
         stop_on_signals(stop)  # after Ray's start-up, which installs a TERM handler of its own
         try:
             model_dir.result()
-            if recipe.mode != "colocate":
+            if bus:
                 bus_import.result()
             return run_job(recipe, run, console, stop=stop, cpu_sets=local_cpu_sets(recipe))
         finally:
