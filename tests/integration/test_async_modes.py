@@ -112,7 +112,13 @@ def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_t
         assert set(versions) == {step - 1}, step
 
 
-@pytest.mark.parametrize("mode", ["fully_async", "hybrid"])
+# fully_async from `relax submit` in the default tier: the Slurm scale-out run (test_slurm_launch.py)
+SLURM_FULLY_ASYNC = ("tests/integration/test_slurm_launch.py::"
+                     "test_scale_rollout_grows_the_job_onto_a_second_slurm_job_and_back")
+
+
+@pytest.mark.parametrize("mode", [pytest.param("fully_async", marks=pytest.mark.full(covered_by=SLURM_FULLY_ASYNC)),
+                                  "hybrid"])
 def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
     """`relax submit recipes/quickstart.yaml mode=...`, as a user types it but shorter (colocate, all 150 steps:
     test_local_run.py)."""
@@ -134,7 +140,7 @@ def test_quickstart_reaches_its_goal_in_each_async_mode(tmp_path, mode):
     assert all(k in rows[-1] for k in ("queue_depth", "trainer_idle_s", "rollout_idle_s", "samples_per_s"))
 
 
-@pytest.mark.full(covered_by="tests/integration/test_async_modes.py::test_quickstart_reaches_its_goal_in_each_async_mode[fully_async]")
+@pytest.mark.full(covered_by="tests/integration/test_async_modes.py::test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_steps_start[fully_async-2]")
 def test_two_ranks_and_two_engines_read_their_rows_from_transferqueue_not_from_the_driver(
         local_ray, tmp_path, monkeypatch, one_torch_thread):
     """fully_async with the reference service on (a KL loss, a reference node group): 2 trainer ranks,
@@ -184,7 +190,7 @@ def assert_same_steps(rows: list[dict], expected: list[dict], rel: float) -> Non
                 assert row[key] == pytest.approx(other[key], rel=rel, abs=1e-7), (row["step"], key)
 
 
-@pytest.mark.full(covered_by="tests/integration/test_async_modes.py::test_quickstart_reaches_its_goal_in_each_async_mode[fully_async]")
+@pytest.mark.full(covered_by="tests/integration/test_async_modes.py::test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_steps_start[fully_async-2]")
 def test_fully_async_ppo_trains_as_hybrid_does_and_resumes(local_ray, tmp_path, monkeypatch, one_torch_thread):
     """PPO, two ranks, two optimizer steps per step (global batch 8 of 16 samples), one critic warmup step.
 

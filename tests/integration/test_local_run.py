@@ -160,8 +160,7 @@ def resumed_runs(tmp_path_factory) -> dict:
     return {"cwd": cwd, "second": second, "run_id": run_id, "wandb_before": before}
 
 
-@pytest.mark.full(covered_by="tests/integration/test_preemption.py::"
-                              "test_a_stop_signal_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes[colocate-10]")
+@pytest.mark.full(covered_by="tests/integration/test_slurm_launch.py::test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes")
 def test_resume_is_exact(resumed_runs):
     cwd, second = resumed_runs["cwd"], resumed_runs["second"]
     assert "step 3/4" in second.stdout and "step 1/4" not in second.stdout  # it continued, not restarted

@@ -197,12 +197,15 @@ relax = partial(relax_cli, timeout=600, env={"PYTHONPATH": subprocess_env()["PYT
 
 MEGATRON = ["train.backend=megatron", "train.tensor_parallel=2", "train.cpu_ranks_per_node=2"]
 QUICKSTART = str(REPO / "recipes" / "quickstart.yaml")
+MEGATRON_STEPS = 70
 
 
 @pytest.fixture(scope="module")
 def quickstart_run(tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("megatron-quickstart")
-    proc = relax("submit", QUICKSTART, *MEGATRON, "--executor", "local", "--run-dir", "qs", cwd=cwd)
+    # 70 of the quick start's 150 steps: the 10-step mean reward has risen by about 0.8 by then (0.81 measured)
+    proc = relax("submit", QUICKSTART, *MEGATRON, f"train.steps={MEGATRON_STEPS}", "--executor", "local",
+                 "--run-dir", "qs", cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return cwd / "qs"
 
@@ -210,7 +213,7 @@ def quickstart_run(tmp_path_factory) -> Path:
 def test_the_quick_start_learns_with_megatron(quickstart_run):
     rows = [json.loads(line) for line in (quickstart_run / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward_mean"] for r in rows]
-    assert len(rewards) == 150
+    assert len(rewards) == MEGATRON_STEPS
     assert sum(rewards[-10:]) / 10 - sum(rewards[:10]) / 10 >= 0.6
 
 
@@ -228,7 +231,7 @@ model = build_model(config, Parallel())
 before = {{k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}}
 template = model.sharded_state_dict()
 with compat.on_device():
-    loaded = dist_checkpointing.load(template, "{quickstart_run}/checkpoints/iter_0000150")
+    loaded = dist_checkpointing.load(template, "{quickstart_run}/checkpoints/iter_{MEGATRON_STEPS:07d}")
 model.load_state_dict({{k: v for k, v in loaded.items() if k in template}})
 changed = sum(not torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
 print(json.dumps({{"changed": changed, "tensors": len(before)}}))

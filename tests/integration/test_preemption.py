@@ -135,9 +135,9 @@ async def until_decoding(client: EngineClient, timeout: float = 20) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.mark.parametrize(("mode", "signum"), [("colocate", signal.SIGUSR1), pytest.param(
-    "fully_async", signal.SIGTERM, marks=pytest.mark.full(
-    covered_by="tests/integration/test_preemption.py::test_a_stop_signal_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes[colocate-10]"))])
+# The default tier's preemption test is the Slurm one (the same stop mid-rollout, then Slurm's requeue).
+@pytest.mark.full(covered_by="tests/integration/test_slurm_launch.py::test_preemption_mid_rollout_checkpoints_at_once_requeues_and_resumes")
+@pytest.mark.parametrize(("mode", "signum"), [("colocate", signal.SIGUSR1), ("fully_async", signal.SIGTERM)])
 def test_a_stop_signal_mid_rollout_checkpoints_the_last_step_at_once_and_the_run_resumes(tmp_path, mode, signum):
     took, code, output = stop_mid_rollout(mode, signum, tmp_path)
     print(f"{mode}: {signal.Signals(signum).name} -> checkpoint of step 1 written {took:.2f}s later")
