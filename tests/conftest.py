@@ -47,6 +47,24 @@ def local_ray(tmp_path_factory):
     os.environ.clear()
     os.environ.update(saved_env)
     shutil.rmtree(temp_dir, ignore_errors=True)
+    left = processes_left(str(temp_dir))
+    assert not left, f"processes the tests started outlived them (killed now): {left}"
+
+
+def processes_left(mark: str, grace_s: float = 10) -> dict[int, str]:
+    """Processes started under the session's Ray cluster (they carry its mark) still alive once it
+    stopped: whatever a test starts must end with it. They are killed, and named."""
+    import time
+
+    from relax_core.cluster.lifetime import marked, reap
+
+    deadline = time.monotonic() + grace_s
+    while (left := marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    named = {pid: open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200]
+             for pid in left if os.path.exists(f"/proc/{pid}")}
+    reap(left)
+    return named
 
 
 from slurm_cluster import (  # noqa: E402,F401  (fixtures)
