@@ -58,13 +58,25 @@ def processes_left(mark: str, grace_s: float = 10) -> dict[int, str]:
 
     from relax_core.cluster.lifetime import marked, reap
 
+    def still_running() -> dict[int, str]:
+        # torch_shm_manager, torch's shared-memory daemon, serves this test process (its client) and
+        # ends when its last client does: it is this process's, not a test's leftover
+        return {pid: started for pid, started in marked(mark).items() if command(pid) != "torch_shm_manager"}
+
     deadline = time.monotonic() + grace_s
-    while (left := marked(mark)) and time.monotonic() < deadline:
+    while (left := still_running()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    named = {pid: open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[:200]
-             for pid in left if os.path.exists(f"/proc/{pid}")}
+    named = {pid: command(pid)[:200] for pid in left}
     reap(left)
     return named
+
+
+def command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 from slurm_cluster import (  # noqa: E402,F401  (fixtures)
