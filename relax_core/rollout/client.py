@@ -9,17 +9,29 @@ tested against the CPU engine runs unchanged on the cluster.
 `parse_generate_output` turns one `/generate` result into what a `Sample`
 needs (token ids, their log-probs, finish reason, weight version).
 
-An `EngineClient` holds an `httpx.AsyncClient`, which belongs to the event
-loop it is first used on: create it, use it and `aclose()` it inside one loop.
+An `EngineClient` holds an `aiohttp.ClientSession`, opened on first use, which
+belongs to the event loop it is first used on: use it and `aclose()` it inside
+one loop. Why aiohttp and not httpx (which the control-plane calls elsewhere
+use): behind a router every sample is a request of its own, so a step has
+hundreds of requests in flight on one client, and httpcore's connection pool
+(1.0.9) scans every connection for each connection at each request's start and
+end (`_assign_requests_to_connections`): cubic in the requests in flight.
+Measured on this project's 2-core machine (tests/benchmarks/bench_engine_client.py),
+a step of 64 requests in flight costs the client 0.58 s of CPU with httpx
+against 0.02 s with aiohttp; one of 256, 3.9 s against 0.08 s.
+
+Every failure below HTTP (no connection, a connection dropped, no answer in
+time) is raised as `EngineUnreachable`, whatever the library called it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 # sglang-router's header naming a request's routing key (its `manual` policy: one engine per key).
 ROUTING_KEY_HEADER = "x-smg-routing-key"
@@ -34,6 +46,31 @@ class EngineError(RuntimeError):
         self.url = url
         self.status_code = status_code
         self.message = message
+
+
+class EngineUnreachable(ConnectionError):
+    """A request to an engine failed below HTTP: it could not connect, the connection dropped, or the
+    answer did not come in time. `dropped`: the connection closed under a request that was sent (the
+    engine may be well and closed an idle connection as it was reused; sending again is safe where the
+    engine samples by seed)."""
+
+    def __init__(self, url: str, cause: BaseException) -> None:
+        what = "no answer in time" if isinstance(cause, asyncio.TimeoutError) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{url}: {what}")
+        self.url = url
+        self.dropped = isinstance(cause, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)) or (
+            isinstance(cause, aiohttp.ClientOSError) and not isinstance(cause, aiohttp.ClientConnectorError))
+
+
+@dataclass
+class Reply:
+    """An engine's answer: its status and body (read whole before the connection is handed back)."""
+
+    status_code: int
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
 
 
 class GenerationAborted(RuntimeError):
@@ -104,21 +141,26 @@ class EngineClient:
         generate_timeout: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._max_connections = max_connections
         # Connecting stays bounded: an engine that is gone refuses or drops connections within seconds.
-        self._generate_timeout = httpx.Timeout(generate_timeout, connect=min(timeout, 30.0))
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)),
-            # Idle connections are closed here before the server's keep-alive (uvicorn's, SGLang's: 5 s) closes them,
-            # so a request is never sent on a connection the server is closing (httpx.ReadError).
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=KEEPALIVE_S),
-        )
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 30.0))
+        self._generate_timeout = aiohttp.ClientTimeout(total=generate_timeout, sock_connect=min(timeout, 30.0))
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:  # here, not in __init__: a session belongs to the loop it is opened in
+            self._session = aiohttp.ClientSession(
+                self.base_url, headers=self._headers, timeout=self._timeout,
+                # Idle connections are closed here before the server's keep-alive (uvicorn's, SGLang's: 5 s)
+                # closes them, so a request is rarely sent on a connection the server is closing.
+                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S),
+            )
+        return self._session
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -178,8 +220,7 @@ class EngineClient:
 
     async def flush_cache(self) -> bool:
         """False when the engine refused because requests are in flight (SGLang's 400)."""
-        response = await self._http.post("/flush_cache")
-        return response.status_code == 200
+        return (await self._send("POST", "/flush_cache")).status_code == 200
 
     async def pause_generation(self, mode: str | None = None) -> dict[str, Any]:
         """Pause; `mode` is "abort" (SGLang's default), "retract" or "in_place". SGLang requires a body,
@@ -241,7 +282,7 @@ class EngineClient:
     async def begin_weight_update(self) -> bool:
         """Open SGLang's weight-update session, which its `update_weights_from_*` calls need; False when
         the engine has no sessions (an SGLang from before them answers 404): nothing to open or end."""
-        response = await self._http.post("/begin_weight_update", json={})
+        response = await self._send("POST", "/begin_weight_update", json={})
         if response.status_code == 404:
             return False
         _check_result(self.base_url + "/begin_weight_update", response)
@@ -249,7 +290,7 @@ class EngineClient:
 
     async def end_weight_update(self) -> None:
         """Close the session `begin_weight_update` opened (SGLang finalizes the loaded weights here)."""
-        _check_result(self.base_url + "/end_weight_update", await self._http.post("/end_weight_update", json={}))
+        _check_result(self.base_url + "/end_weight_update", await self._send("POST", "/end_weight_update", json={}))
 
     async def update_weights_from_tensor(
         self,
@@ -290,12 +331,21 @@ class EngineClient:
 
     async def _ok(self, path: str) -> bool:
         try:
-            return (await self._http.get(path)).status_code == 200
-        except httpx.TransportError:
+            return (await self._send("GET", path)).status_code == 200
+        except EngineUnreachable:
             return False
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = await self._http.request(method, path, **kwargs)
+    async def _send(self, method: str, path: str, timeout: aiohttp.ClientTimeout | None = None,
+                    **kwargs: Any) -> Reply:
+        """One request, its body read whole; a failure below HTTP raised as `EngineUnreachable`."""
+        try:
+            async with self._open().request(method, path, timeout=timeout or self._timeout, **kwargs) as response:
+                return Reply(response.status, await response.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise EngineUnreachable(self.base_url + path, exc) from exc
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Reply:
+        response = await self._send(method, path, **kwargs)
         if response.status_code != 200:
             raise EngineError(self.base_url + path, response.status_code, _error_message(response))
         return response
@@ -327,7 +377,7 @@ async def engine_view(url: str, api_key: str | None, timeout_s: float = 2.0) -> 
     return view
 
 
-def _check_result(url: str, response: httpx.Response) -> None:
+def _check_result(url: str, response: Reply) -> None:
     """Raise EngineError unless a `{"success", "message"}` answer says success."""
     if response.status_code != 200:
         raise EngineError(url, response.status_code, _error_message(response))
@@ -335,7 +385,7 @@ def _check_result(url: str, response: httpx.Response) -> None:
         raise EngineError(url, 200, response.json().get("message", ""))
 
 
-def _error_message(response: httpx.Response) -> str:
+def _error_message(response: Reply) -> str:
     try:
         body = response.json()
     except ValueError:

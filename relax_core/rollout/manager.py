@@ -33,11 +33,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from relax_core.data.prompts import encode_prompt
 from relax_core.rewards.hub import RewardHub, RewardItem, empty_stats
-from relax_core.rollout.client import EngineClient, EngineError, GenerationAborted, parse_generate_output
+from relax_core.rollout.client import (
+    EngineClient,
+    EngineError,
+    EngineUnreachable,
+    GenerationAborted,
+    parse_generate_output,
+)
 from relax_core.rollout.prompt_prep import MediaPrompts, Prompt, Skipped
 from relax_core.rollout.turn_batch import TurnBatcher
 from relax_core.rollout.types import Sample
@@ -149,7 +153,7 @@ class RolloutManager:
             async def send(client: EngineClient, chunk: list[tuple[Prompt, int]], failed=failed) -> None:
                 try:
                     answers = await self._request(client, chunk, step)
-                except (httpx.TransportError, EngineError) as exc:
+                except (EngineUnreachable, EngineError) as exc:
                     failed.append((chunk, exc))
                     return
                 outputs.update((index, out) for (_, index), out in zip(chunk, answers))
@@ -191,7 +195,7 @@ class RolloutManager:
             try:
                 results = await self._watched(self._run_trajectories(rows, step))
                 break
-            except (httpx.TransportError, EngineError) as exc:
+            except (EngineUnreachable, EngineError) as exc:
                 if self.recovery is None:
                     raise
                 await self.set_clients(await self.recovery.recover(exc))

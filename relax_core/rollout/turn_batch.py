@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
-
-from relax_core.rollout.client import EngineClient, GenerateOutput, parse_generate_output
+from relax_core.rollout.client import EngineClient, EngineUnreachable, GenerateOutput, parse_generate_output
 
 
 class TurnBatcher:
@@ -54,8 +52,8 @@ class TurnBatcher:
                         raw = await client.generate([c[0] for c in chunk], sampling_params=[c[1] for c in chunk],
                                                     return_logprob=True)
                     break
-                except (httpx.ReadError, httpx.RemoteProtocolError):
-                    if attempt:
+                except EngineUnreachable as exc:
+                    if attempt or not exc.dropped:
                         raise
             results = raw if isinstance(raw, list) else [raw]
             for (_, _, _, future), result in zip(chunk, results):
