@@ -19,6 +19,8 @@ paths where they already are):
   image's own environment, applied before `APPTAINERENV_*` and `--env`;
 - appends `{"argv": ..., "env": ...}` of each call as a JSON line to
   `$FAKE_APPTAINER_LOG` when that is set.
+
+Tests put it first on PATH as `apptainer` with `on_path`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ import sys
 from pathlib import Path
 
 KEPT_BY_CLEANENV = ("HOME", "TERM", "LANG")
+
+
+def on_path(folder: Path) -> str:
+    """Make `folder/bin` hold this stand-in as `apptainer` and this interpreter as `python3` (the image's
+    Python is the host's); returns the PATH that finds them first."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "apptainer").write_text(f'#!/bin/sh\nexec {sys.executable} {Path(__file__).resolve()} "$@"\n')
+    (bin_dir / "apptainer").chmod(0o755)
+    (bin_dir / "python3").symlink_to(sys.executable)
+    return f"{bin_dir}:{os.environ['PATH']}"
 
 
 def fatal(message: str) -> None:

@@ -59,7 +59,7 @@ def run_status(run: RunDir) -> dict[str, Any]:
         "total_steps": state.get("total_steps"),
         "reward_mean": last.get("reward_mean"),
         "policy_version": last.get("policy_version"),
-        "latest_checkpoint": _latest_checkpoint(run),
+        "latest_checkpoint": _latest_checkpoint(run, state),
         "started": state.get("started"),
         "finished": state.get("finished"),
         "error": state.get("error"),
@@ -132,8 +132,11 @@ def _shown(view: dict[str, Any] | None) -> dict[str, Any]:
     return {"healthy": view["answering"], "weight_version": view["weight_version"], "load": view["load"]}
 
 
-def _latest_checkpoint(run: RunDir) -> int | None:
-    tracker = run.checkpoints / "latest_checkpointed_iteration.txt"
+def _latest_checkpoint(run: RunDir, state: dict[str, Any]) -> int | None:
+    """The newest checkpoint's step, in the folder the submit recorded (`checkpoint.dir`, often on scratch
+    outside the run directory), else the run's checkpoints/."""
+    folder = Path(state["checkpoint_dir"]) if state.get("checkpoint_dir") else run.checkpoints
+    tracker = folder / "latest_checkpointed_iteration.txt"
     try:
         return int(tracker.read_text().strip())
     except (OSError, ValueError):

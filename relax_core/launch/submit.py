@@ -153,5 +153,5 @@ def record(sub: Submission) -> None:
     sub.run.run_id()
     # error/finished: what an earlier attempt of a resumed run ended with
     sub.run.update_state(name=sub.recipe.name, executor=sub.executor.name, state="pending", error=None, finished=None,
-                         hub=sub.hub,
+                         hub=sub.hub, checkpoint_dir=str(sub.run.checkpoint_dir(sub.recipe).absolute()),
                          total_steps=sub.recipe.train.steps, submitted=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fake_apptainer
 import pytest
 from relax_runs import relax
 from slurm_cluster import SlurmCluster
@@ -62,18 +63,13 @@ def test_doctor_slurm_reports_the_containers_relax(slurm_cluster: SlurmCluster, 
     """The job runs the recipe's image (tests/fake_apptainer.py stands in for apptainer, which cannot run here)."""
     from importlib.metadata import version
 
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "apptainer").write_text(f"#!/bin/sh\nexec {sys.executable} {REPO / 'tests' / 'fake_apptainer.py'} "
-                                       '"$@"\n')
-    (bin_dir / "apptainer").chmod(0o755)
-    (bin_dir / "python3").symlink_to(sys.executable)
+    path = fake_apptainer.on_path(tmp_path)
     image = tmp_path / "relax.sif"
     image.write_text("SIF")
     proc = subprocess.run([sys.executable, "-m", "relax_cli.main", "doctor", "--slurm", str(QUICKSTART),
                            f"logging.run_root={tmp_path}/runs", f"cluster.container.image={image}"],
                           capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env=os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "COLUMNS": "200"})
+                          env=os.environ | {"PATH": path, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ours = version("relax-rl")
     row = next(line for line in proc.stdout.splitlines() if line.startswith("container"))

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 from fake_hub import DATA_ID, MODEL_ID, FakeHub, hub_recipe, tiny_repos
 from test_slurm_launch import ON_TWO_NODES, QUICKSTART, final_status, logs_of
+from test_slurm_policy import components
 
 PROBE = '''import json
 import os
@@ -61,10 +62,12 @@ def submit(cwd: Path, recipe: Path, endpoint: str, *args: str) -> subprocess.Com
 
 
 def test_a_hub_model_and_data_set_run_on_compute_nodes_from_what_the_login_node_fetched(slurm_cluster, tmp_path):
+    """Also the quick start's layout when both groups ask for the same (2-CPU nodes): one plain 2-node job,
+    which the batch step splits (n1 train, n2 rollout)."""
     probe_out = tmp_path / "probe.json"
     recipe = recipe_with_hub_ids(tmp_path, probe_out)
     with FakeHub(tiny_repos(tmp_path / "served")) as hub:
-        proc = submit(tmp_path, recipe, hub.url, "--run-dir", "runs/hub")
+        proc = submit(tmp_path, recipe, hub.url, "cluster.train.cpus_per_node=2", "--run-dir", "runs/hub")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         asked = list(hub.requests)
     # The hub server is stopped: its port refuses connections. Only now may the job start.
@@ -86,6 +89,11 @@ def test_a_hub_model_and_data_set_run_on_compute_nodes_from_what_the_login_node_
     assert f"model.path: {MODEL_ID} from the login node's fetch: {state['hub']['model.path']}" in driver_log
     assert f"data.path: {DATA_ID} from the login node's fetch: {state['hub']['data.path']}" in driver_log
     assert (run / "recipe.yaml").read_text().count(MODEL_ID) == 1  # the run records what the user asked for
+
+    (job,) = components(slurm_cluster, int(job_id))
+    assert "HetJobId" not in job and job["NumNodes"] == "2", job
+    assert state["nodes"] == {"train": ["n1"], "rollout": ["n2"]}
+    assert "all 2 nodes joined" in driver_log
 
 
 def test_an_id_the_login_node_cannot_fetch_submits_nothing(slurm_cluster, tmp_path):

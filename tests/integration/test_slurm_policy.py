@@ -130,6 +130,7 @@ def test_groups_of_one_shape_run_as_one_plain_job(slurm_cluster, tmp_path):
         slurm_cluster.run(["scancel", str(job_id)], check=False)
 
 
+@pytest.mark.full(covered_by="tests/integration/test_hub_cache.py::test_a_hub_model_and_data_set_run_on_compute_nodes_from_what_the_login_node_fetched")
 def test_the_quick_start_runs_to_completion_on_one_plain_job(slurm_cluster, tmp_path):
     """Both groups on 2-CPU nodes: one plain 2-node job, which the batch step splits (n1 train, n2 rollout)."""
     job_id = submit(tmp_path, "runs/plain", "cluster.train.cpus_per_node=2", "train.steps=4")
