@@ -145,4 +145,4 @@ def test_the_hub_of_a_recipe_with_a_judge_model_needs_the_judges_endpoints(tmp_p
     assert "key" not in repr(endpoints)
     with RewardHub.from_config(config, judge=endpoints) as hub:  # asks those endpoints, not $RELAX_GENRM_URL
         [result] = hub.score_sync([RewardItem("x", None)])
-    assert result.status == "error" and result.error.startswith("ConnectError"), result.error
+    assert result.status == "error" and result.error.startswith("EngineUnreachable: http://127.0.0.1:9/"), result.error
