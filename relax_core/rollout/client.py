@@ -159,8 +159,10 @@ class EngineClient:
         return self._session
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        """Close the connections; a later request opens new ones."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     async def __aenter__(self) -> EngineClient:
         return self

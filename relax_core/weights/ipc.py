@@ -357,9 +357,12 @@ class TensorHandover:
         return box[0]
 
     async def set_engines(self, clients: list[EngineClient]) -> None:
-        """A new set of engines (rank 0, elastic rollout): nothing to re-form, only the checks of `init`."""
+        """A new set of engines (rank 0, elastic rollout): nothing to re-form, only the checks of `init`; the
+        clients of engines no longer in the set are closed (the handover owns its clients)."""
+        await asyncio.gather(*(c.aclose() for c in self.clients if c not in clients))
         self.clients = list(clients)
         await self.init()
 
     async def close(self) -> None:
         self.staging = SharedStaging()  # the buffer's file goes once the engines dropped their mappings
+        await asyncio.gather(*(c.aclose() for c in self.clients))

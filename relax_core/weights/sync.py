@@ -207,19 +207,26 @@ class WeightBroadcaster:
         return tensor.contiguous()
 
     async def close(self) -> None:
-        """Destroy the group on the engines (best effort) and here."""
+        """Destroy the group on the engines (best effort) and here; close the clients (the broadcaster owns
+        them)."""
+        await self._leave_group()
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+
+    async def _leave_group(self) -> None:
         await _bounded(c.destroy_weights_update_group(self.group_name) for c in self.clients)
         if self.group is not None:
             group, self.group = self.group, None
             await asyncio.to_thread(destroy_weight_update_group, group)
 
     async def set_engines(self, clients: list[EngineClient], master_port: int | None = None) -> None:
-        """Re-create the group for a new set of engines (e.g. after a scale-out).
+        """Re-create the group for a new set of engines (e.g. after a scale-out); the clients of engines no
+        longer in the set are closed.
 
         The new group rendezvous on `master_port`, by default on a fresh free port (the old one may
         still be held by the closed group's store).
         """
-        await self.close()
+        await self._leave_group()
+        await asyncio.gather(*(c.aclose() for c in self.clients if c not in clients))
         self.clients = list(clients)
         self.master_port = master_port or 0
         await self.init()

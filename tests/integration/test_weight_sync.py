@@ -166,6 +166,7 @@ async def _rank0_syncs(args, model, previous, train) -> list[dict]:
         await broadcaster.set_engines([client], master_port=args.master_ports[1])
         syncs.append(await _sync_and_check(model, previous, broadcaster, client, version=4))
         await broadcaster.close()
+        assert client._session is None  # the broadcaster closed its client: no connection left open
     return syncs
 
 
