@@ -36,7 +36,8 @@ def token_env(run: RunDir) -> dict[str, str]:
 
 
 def short_temp_dir(run: RunDir) -> Path:
-    """A short, private temp dir for Ray's sockets and logs."""
+    """A short folder of this user's alone (mode 0700) that holds Ray's temp dir (`ray_compat.temp_dir_inside`
+    says why Ray's is inside it) with its sockets and logs."""
     base = Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir()))
     path = Path(tempfile.mkdtemp(prefix=f"rx{os.getuid()}-", dir=base))
     os.chmod(path, 0o700)
@@ -59,7 +60,12 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
-    from relax_core.cluster.ray_compat import single_machine, without_dashboard_process, without_monitors
+    from relax_core.cluster.ray_compat import (
+        single_machine,
+        temp_dir_inside,
+        without_dashboard_process,
+        without_monitors,
+    )
     from relax_core.cluster.tq_import import WORKER_SETUP
 
     single_machine()  # the node's address is loopback: Ray binds loopback only
@@ -71,7 +77,7 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
         num_cpus=num_cpus,
         resources=resources or {},
         include_dashboard=False,
-        _temp_dir=str(temp_dir),
+        _temp_dir=str(temp_dir_inside(temp_dir)),
         log_to_driver=False,
         configure_logging=False,
         namespace=run.path.name,

@@ -35,6 +35,7 @@ import math
 import os
 import resource
 import socket
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -42,6 +43,7 @@ from pathlib import Path
 from relax_core.cluster.address import NodeAddress, pick_address
 from relax_core.cluster.local_ray import token_env
 from relax_core.cluster.ports import NodePorts, block_ports, lease_ports
+from relax_core.cluster.ray_compat import temp_dir_inside
 from relax_core.cluster.ray_logs import run_ray_node
 from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.launch.rundir import RunDir
@@ -116,8 +118,31 @@ def transfer_queue_cpus(recipe: Recipe, group: str, head: bool) -> int:
 
 
 def ray_temp_dir(job_id: int, index: int) -> Path:
-    """The node's Ray temp dir: short (Unix socket paths are limited to 107 bytes), node-local."""
+    """The node's folder for Ray: short (Unix socket paths are limited to 107 bytes), node-local, this user's
+    alone (`private_temp_dir`); Ray's temp dir is inside it (`ray_compat.temp_dir_inside`)."""
     return Path(os.environ.get("RELAX_RAY_TMP", tempfile.gettempdir())) / f"rx{os.getuid()}-{job_id}-{index}"
+
+
+def private_temp_dir(path: Path) -> Path:
+    """Make the node's folder for Ray this user's alone (mode 0700), or take back the one an earlier attempt
+    of the job left (a requeue runs under the same job id). One that is not a folder of this user's is
+    refused: its name is predictable, and whoever made it would hold the cluster's sockets."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    found = os.lstat(path)
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != os.getuid():
+        what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else (
+            f"owned by uid {found.st_uid}" if stat.S_ISDIR(found.st_mode) else "not a folder")
+        raise PrivateDirError(f"{path} exists and is {what}, not a folder of this user's (uid {os.getuid()}): "
+                              "remove it, or point RELAX_RAY_TMP at a folder only you can write to")
+    os.chmod(path, 0o700)
+    return path
+
+
+class PrivateDirError(RuntimeError):
+    """The node's Ray temp dir exists and is not this user's."""
 
 
 def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, name: str, address: str,
@@ -132,7 +157,7 @@ def ray_start_command(recipe: Recipe, run: RunDir, *, group: str, index: int, na
                f"--node-ip-address={address}",
                f"--num-cpus={nodes.cpus_per_node + queue_cpus}", f"--num-gpus={nodes.gpus_per_node}",
                f"--resources={json.dumps(node_resources(recipe, group, name, scale_op))}",
-               f"--temp-dir={temp_dir}", *ports.ray_start_flags(head=head_address is None)]
+               f"--temp-dir={temp_dir_inside(temp_dir)}", *ports.ray_start_flags(head=head_address is None)]
     if head_address is None:
         return command + ["--head", "--include-dashboard=false", "--no-monitor"]
     return command + [f"--address={head_address}"]
@@ -198,7 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     role = f"{args.group}, scale-out {args.scale_op}" if args.scale_op else args.group
     print(f"relax node {name} ({role}, index {args.index}, {address}): {' '.join(command)}", flush=True)
     env = node_env(recipe, run, args.group, picked)
-    sys.exit(run_ray_node(command, env, ray_temp_dir(job_id, args.index), run.logs / "ray" / name))
+    try:
+        temp_dir = private_temp_dir(ray_temp_dir(job_id, args.index))
+    except PrivateDirError as exc:
+        print(f"relax node {name}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(run_ray_node(command, env, temp_dir_inside(temp_dir), run.logs / "ray" / name))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ driver before `ray.init`.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def without_dashboard_process() -> None:
@@ -55,6 +56,24 @@ def without_monitors() -> None:
 
     skip.relax_patched = True
     Node.start_monitor = Node.start_log_monitor = skip
+
+
+RAY_SUBDIR = "r"  # short: Unix socket paths are limited to 107 bytes
+
+
+def temp_dir_inside(private: Path) -> Path:
+    """The temp dir to give Ray: a folder inside `private`, a folder of this user's alone (mode 0700).
+
+    Ray makes every folder it creates under its temp dir, the temp dir itself included, writable by every
+    user of the machine (`ray._common.utils.try_to_create_directory`: `chmod 0777`, so that users can share
+    one temp dir), in the process that starts the node and again in every worker process as it starts. On a
+    shared node another user could then replace the cluster's files there: the object store's socket (and
+    with it read the weights and samples that pass through it) or a `*_port_*` file that tells Ray's
+    processes where to connect; and read every log. Ray never changes the folder above its temp dir, and
+    with that folder at mode 0700 no other user reaches anything below it. Can go once Ray leaves the modes
+    of its folders alone.
+    """
+    return private / RAY_SUBDIR
 
 
 def single_machine() -> None:

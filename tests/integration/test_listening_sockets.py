@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
+from pathlib import Path
 
 import pytest
 from proc_table import (
@@ -90,6 +92,20 @@ def test_no_monitor_process_runs(running_job):
     monitors = [cmdline(pid) for pid in processes if any(script in cmdline(pid) for script in scripts)]
     assert not monitors, monitors
     assert any("raylet" in cmdline(pid) for pid in processes)  # Ray's processes are in view
+
+
+def test_the_jobs_ray_folder_is_this_users_alone(running_job):
+    """Ray makes every folder it creates under its temp dir writable by everyone, the temp dir included
+    (ray_compat.temp_dir_inside): another user could replace the object store's socket there. The folder
+    that holds the job's Ray temp dir is this user's alone (mode 0700), so nobody else reaches below it."""
+    _, _, processes, _ = running_job
+    gcs = next(cmdline(pid) for pid in processes if "gcs_server" in cmdline(pid))
+    log_dir = Path(next(arg.split("=", 1)[1] for arg in gcs.split() if arg.startswith("--log_dir=")))
+    ray_temp = log_dir.parents[1]  # <Ray's temp dir>/session_<...>/logs
+    private = ray_temp.parent
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700 and private.stat().st_uid == os.getuid(), \
+        oct(private.stat().st_mode)
+    assert (ray_temp / "session_latest" / "sockets" / "plasma_store").is_socket()  # the object store's, below it
 
 
 def test_a_killed_driver_leaves_no_process_behind(running_job):

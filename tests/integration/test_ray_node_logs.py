@@ -10,6 +10,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from pathlib import Path
 from relax_runs import wait_for
 
 from relax_core.cluster.lifetime import descendants, reap
+from relax_core.cluster.ray_compat import temp_dir_inside
 from relax_core.cluster.ray_logs import FILE_BYTES
 from relax_core.config import dump_recipe, load_recipe
 from relax_core.launch.rundir import RunDir
@@ -54,8 +56,11 @@ def test_a_stopped_ray_node_leaves_its_logs_in_the_run_directory(tmp_path):
     try:
         raylet = wait_for(lambda: raylet_of(node.pid), 120, "the raylet")
         assert max_open_files(raylet) == min(hard, 65536)  # Ray runs with the raised limit, not 1024
-        logs = ray_tmp / f"rx{os.getuid()}-4242-0" / "session_latest" / "logs"
+        private = ray_tmp / f"rx{os.getuid()}-4242-0"
+        logs = temp_dir_inside(private) / "session_latest" / "logs"
         wait_for(lambda: (logs / "raylet.out").exists(), 60, "raylet.out")
+        # Ray opens the folders it makes to every user; the node's folder above them stays this user's alone.
+        assert stat.S_IMODE(private.stat().st_mode) == 0o700 and private.stat().st_uid == os.getuid()
         huge = logs / "worker-huge.out"  # a worker that printed far too much
         huge.write_bytes(b"x" * (FILE_BYTES + 5000) + b"the last line\n")
         session = logs.parent.resolve().name
