@@ -15,6 +15,7 @@ the processes this driver started, never with `ray stop`.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from relax_core.cluster.lifetime import Reaper
 from relax_core.launch.rundir import RunDir
 
 TOKEN_NAME = "ray_token"
+LOCAL_NODE = "local"  # the local cluster's one node, as `logs/ray/<node>/` names it
 OBJECT_STORE_BYTES = 512 * 1024**2  # samples and weights of small local runs; Ray would take 30 % of RAM
 LOOPBACK = "127.0.0.1"
 _reaper: Reaper | None = None
@@ -85,6 +87,17 @@ def start_local_ray(run: RunDir, num_cpus: int, resources: dict[str, float] | No
         runtime_env=WORKER_SETUP if bus else None,
     )
     return temp_dir
+
+
+def remove_ray_dir(temp_dir: Path, logs: Path) -> Path | None:
+    """Once the cluster stopped: keep its Ray logs in `logs/<session>/` (bounded as a Slurm node keeps them,
+    ray_logs.py), then remove its folder, which nothing uses any more. Returns where the logs went."""
+    from relax_core.cluster.ray_compat import temp_dir_inside
+    from relax_core.cluster.ray_logs import save_ray_logs
+
+    kept = save_ray_logs(temp_dir_inside(temp_dir), logs)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    return kept
 
 
 def stop_local_ray() -> None:

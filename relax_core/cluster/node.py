@@ -34,6 +34,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import socket
 import stat
 import sys
@@ -228,7 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     except PrivateDirError as exc:
         print(f"relax node {name}: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    sys.exit(run_ray_node(command, env, temp_dir_inside(temp_dir), run.logs / "ray" / name))
+    code = run_ray_node(command, env, temp_dir_inside(temp_dir), run.logs / "ray" / name)
+    shutil.rmtree(temp_dir, ignore_errors=True)  # Ray has ended and its logs are kept in the run directory
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
     Returns:
         "completed", or "stopped" when USR1 or TERM ended the run early (checkpointed).
     """
-    from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
+    from relax_core.cluster.local_ray import LOCAL_NODE, remove_ray_dir, start_local_ray, stop_local_ray
     from relax_core.controller.preemption import stop_on_signals
 
     setup_logging(run)
@@ -47,8 +47,8 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
 
             bus_import = pool.submit(import_tq)
         log.info("starting a local Ray cluster")
-        start_local_ray(run, num_cpus=cpus, resources=local_slots(recipe), bus=bus)
-        log.info("Ray cluster up")
+        ray_dir = start_local_ray(run, num_cpus=cpus, resources=local_slots(recipe), bus=bus)
+        log.info("Ray cluster up (its sockets and logs in %s)", ray_dir)
         stop = threading.Event()
         stop_on_signals(stop)  # after Ray's start-up, which installs a TERM handler of its own
         try:
@@ -59,7 +59,8 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
         finally:
             log.info("job closed; stopping Ray")
             stop_local_ray()
-            log.info("Ray stopped")
+            kept = remove_ray_dir(ray_dir, run.logs / "ray" / LOCAL_NODE)
+            log.info("Ray stopped; its logs in %s", kept or "(none written)")
 
 
 def local_slots(recipe: Recipe) -> dict[str, float]:

@@ -5,7 +5,8 @@
         run.json             executor, state, pid / job id, times
         metrics.jsonl        one JSON object per step
         tensorboard/         TensorBoard event files
-        logs/                driver.log, engine-*.log, ...
+        logs/                driver.log, engine-*.log, ...; ray/<node>/<session>/: Ray's own logs (a Slurm
+                             node's, or `local`), kept as the cluster stops
         checkpoints/         Megatron layout (iter_0000010/, latest_checkpointed_iteration.txt),
                              relax_run.json: the run that owns it (relax_core/checkpoint/owner.py)
         secrets/             tokens (mode 0700 folder, 0600 files)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -74,6 +75,10 @@ def test_run_directory_holds_everything(quickstart_run):
     secrets = run / "secrets"
     assert oct(secrets.stat().st_mode & 0o777) == "0o700"
     assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in secrets.iterdir())
+    # Ray's own logs are kept with the run, as a Slurm node keeps them, and its folder under /tmp is gone.
+    assert list((run / "logs" / "ray" / "local").glob("session_*/raylet.out"))
+    ray_dir = re.search(r"Ray cluster up \(its sockets and logs in (\S+)\)", (run / "logs" / "driver.log").read_text())
+    assert ray_dir and not Path(ray_dir[1]).exists()
 
 
 def test_status_and_logs_of_the_finished_run(quickstart_run):

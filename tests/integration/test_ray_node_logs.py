@@ -73,6 +73,7 @@ def test_a_stopped_ray_node_leaves_its_logs_in_the_run_directory(tmp_path):
         node.wait()
         out.close()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not private.exists()  # the node's folder goes with it, its logs kept below
     kept = run.logs / "ray" / "n7" / session
     step_log = (tmp_path / "step.log").read_text()
     assert (kept / "raylet.out").stat().st_size > 0, step_log
