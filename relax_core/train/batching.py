@@ -11,6 +11,7 @@ old/rollout/reference log-probs and masks line up without offsets.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -208,32 +209,70 @@ def response_logprobs(
 
 def forward_logprobs(
     model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool = False
-):
-    """Run the model on a micro-batch and return `response_logprobs` of its logits.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the model on a micro-batch: the `[B, R]` log-probs of its response tokens, and their entropy.
+
+    The output layer of a causal LM runs in chunks of response tokens inside the loss
+    (`loss_head.fused_forward`), so no `[tokens x vocabulary]` tensor is made; a model that changes its
+    logits after the output layer (a soft-cap, a scale) gives `response_logprobs` of its logits.
 
     A sharded model that learns through its vision or audio encoder also runs the encoders this
     micro-batch does not use, times zero (`multimodal.unused_encoders`): every rank's backward then
     reduces the same gradients, whichever media its rows have."""
-    if mb.multimodal is not None:
-        from relax_core.models.multimodal import model_inputs
+    from relax_core.train.loss_head import fused_forward
 
-        inputs = model_inputs(model, mb.input_ids, mb.attention_mask, mb.multimodal)
-    else:
-        inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
-    if torch.is_grad_enabled() and _sharded_with_encoders(model):
-        from relax_core.models.multimodal import batch_media, encoders_always_run
-        from relax_core.train.sharding import language_layers
-
-        with encoders_always_run(model, batch_media(mb.multimodal or []), language_layers(model)[0]):
-            logits = model(**inputs, use_cache=False).logits
-    else:
+    head = _fused_head(model, mb.input_ids.device)
+    inputs = _model_inputs(model, mb)
+    with _encoders_run(model, mb):
+        if head is not None:
+            out = fused_forward(model, head, inputs, mb, with_entropy=with_entropy)
+            if out is None:
+                raise RuntimeError(f"{type(model).__name__} changed its output layer's result on this batch only")
+            return out
         logits = model(**inputs, use_cache=False).logits
     return response_logprobs(logits, mb, with_entropy=with_entropy)
 
 
+def _model_inputs(model: torch.nn.Module, mb: MicroBatch) -> dict:
+    if mb.multimodal is not None:
+        from relax_core.models.multimodal import model_inputs
+
+        return model_inputs(model, mb.input_ids, mb.attention_mask, mb.multimodal)
+    return {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
+
+
+def _encoders_run(model: torch.nn.Module, mb: MicroBatch):
+    if torch.is_grad_enabled() and _sharded_with_encoders(model):
+        from relax_core.models.multimodal import batch_media, encoders_always_run
+        from relax_core.train.sharding import language_layers
+
+        return encoders_always_run(model, batch_media(mb.multimodal or []), language_layers(model)[0])
+    return contextlib.nullcontext()
+
+
+def _fused_head(model: torch.nn.Module, device: torch.device):
+    """The output layer the chunked loss head stands in for, or None (then the model's logits are used).
+    Checked once per model with a one-token forward (every rank of a sharded model makes its first call
+    together, as every later one)."""
+    from relax_core.train.loss_head import FUSED, fused_forward, output_layer
+
+    if not hasattr(model, FUSED):
+        head = output_layer(model)
+        fused = head is not None
+        if fused:
+            probe = pack([Sample(prompt_ids=[0], response_ids=[0], rollout_logprobs=[0.0], loss_mask=[0])],
+                         device=device)
+            with torch.no_grad():
+                fused = fused_forward(model, head, _model_inputs(model, probe), probe, with_entropy=False) is not None
+        setattr(model, FUSED, fused)
+    return output_layer(model) if getattr(model, FUSED) else None
+
+
 def _sharded_with_encoders(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
+    """FSDP2 wraps it (asked of the module: its parameters are plain tensors while a forward left them
+    gathered, as the root unit's are after the head's one-token check)."""
+    from torch.distributed.fsdp import FSDPModule
 
     from relax_core.models.multimodal import towers
 
-    return isinstance(next(model.parameters()), DTensor) and bool(towers(model))
+    return isinstance(model, FSDPModule) and bool(towers(model))

@@ -1,0 +1,207 @@
+"""One training step of the torch backend at long responses: peak memory and tokens per second.
+
+For each response length (`--tokens`, 2k, 8k and 16k by default) a fresh process builds a narrow Qwen3
+with a real vocabulary (151,936 tokens, Qwen3's; hidden 64 and 2 layers by default, so the output layer
+and the loss head weigh as in a real model while the layers stay cheap on a CPU), loads it with
+`TorchTrainer` and times one `train_step` on one micro-batch of `--samples` samples whose responses add
+up to that length (random tokens, advantages +-1), after one warm-up step at 64 tokens that makes the
+optimizer state. Measured apart, with the same hidden states, the loss head alone: the response tokens'
+log-probs (and entropy) of the model's output layer, forward and backward.
+
+Memory on the CPU is the process's peak resident set above what it held before the step (Linux's VmHWM,
+reset through /proc/self/clear_refs): glibc gives blocks this large back to the system when torch frees
+them, so the peak follows the allocator's. On CUDA (`--device cuda`) it is
+`torch.cuda.max_memory_allocated` above the memory allocated before the step. `head` says which loss
+head the model ran: "chunked" (`train/loss_head.py`) or "plain" (full logits, then a float32
+log-softmax: the only one before it). Run against an older checkout to get its figures:
+
+    PYTHONPATH=/path/to/old/checkout python3 tests/benchmarks/bench_train.py
+
+The last line is one JSON object: per length, step_s, tokens_per_s, step_peak_mib, head_peak_mib, head_s,
+and the growth of the step's peak from the shortest length to the longest. Minutes; not part of the tests.
+
+    python3 tests/benchmarks/bench_train.py [--tokens 2048,8192,16384] [--samples 4] [--packed]
+        [--vocab 151936] [--hidden 64] [--layers 2] [--device cpu] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 1024**2
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="2048,8192,16384", help="response tokens of the micro-batch, comma-separated")
+    p.add_argument("--samples", type=int, default=4, help="samples the response tokens are split over")
+    p.add_argument("--packed", action="store_true", help="pack the micro-batch into one row (train.max_tokens_per_gpu)")
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each sample")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", help="the trainer's compute dtype")
+    p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this length only
+    p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ memory
+class Peak:
+    """Peak memory above the level at `reset()`."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+
+    def reset(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            self.base = _status_kib("VmRSS") * 1024
+
+    def mib(self) -> float:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - self.base) / MIB
+        return (_status_kib("VmHWM") * 1024 - self.base) / MIB
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+# ------------------------------------------------------------------ one length, in a child process
+def make_model(folder: Path, args) -> Path:
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from relax_core.models.tiny import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    longest = args.prompt + max(int(t) for t in args.tokens.split(",")) + 16
+    config = tiny_qwen3_config(args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+                               num_kv_heads=args.heads, max_position_embeddings=longest, pad_token_id=0)
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def samples_of(total: int, args, seed: int):
+    import random
+
+    from relax_core.rollout.types import Sample
+
+    rng = random.Random(seed)
+    each = [total // args.samples + (i < total % args.samples) for i in range(args.samples)]
+    return [Sample(prompt_ids=[rng.randrange(1, args.vocab) for _ in range(args.prompt)],
+                   response_ids=[rng.randrange(1, args.vocab) for _ in range(n)],
+                   rollout_logprobs=[-12.0] * n, loss_mask=[1] * n, group_id=i // 2, reward=float(i % 2))
+            for i, n in enumerate(each) if n]
+
+
+def one_length(args) -> dict:
+    import torch
+
+    from relax_core.train.config import TorchTrainerConfig
+    from relax_core.train.torch_backend import TorchTrainer
+
+    tokens = args.one
+    trainer = TorchTrainer(args.model_dir, TorchTrainerConfig(
+        lr=1e-6, micro_batch_size=args.samples, device=args.device, dtype=args.dtype, grad_clip=1.0,
+        max_tokens_per_micro_batch=(tokens + args.samples * args.prompt) if args.packed else None))
+    advantages = lambda batch: [1.0 if i % 2 else -1.0 for i in range(len(batch))]  # noqa: E731
+    warm = samples_of(64, args, seed=1)
+    trainer.train_step(warm, advantages(warm))
+    batch = samples_of(tokens, args, seed=2)
+    peak = Peak(args.device)
+
+    peak.reset()
+    start = time.perf_counter()
+    trainer.train_step(batch, advantages(batch))
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    step_s = time.perf_counter() - start
+    step_peak = peak.mib()
+
+    head, head_s, head_peak = _head_alone(trainer, batch, peak)
+    return {"tokens": tokens, "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
+            "step_peak_mib": round(step_peak, 1), "head": head, "head_s": round(head_s, 3),
+            "head_peak_mib": round(head_peak, 1)}
+
+
+def _head_alone(trainer, batch, peak: Peak) -> tuple[str, float, float]:
+    """The loss head by itself, as this checkout's `forward_logprobs` runs it: the model's body run once (not
+    measured), then the head's forward and backward on those hidden states."""
+    import torch
+
+    from relax_core.train.batching import response_logprobs
+
+    model = trainer.model
+    mb = trainer._pack(batch)
+    inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
+    with torch.no_grad():
+        hidden = model.model(**inputs).last_hidden_state
+    hidden.requires_grad_(True)
+    try:
+        from relax_core.train.loss_head import ResponseRows, chunked_logprobs
+    except ImportError:  # a checkout from before the chunked head
+        chunked_logprobs = None
+    peak.reset()
+    start = time.perf_counter()
+    if chunked_logprobs is not None:
+        rows = ResponseRows(mb.logit_index, mb.valid, mb.packed)
+        logp, _ = chunked_logprobs(rows(hidden), model.lm_head, mb.response_ids[mb.valid], with_entropy=True)
+        logp.sum().backward()
+    else:
+        logp, _ = response_logprobs(model.lm_head(hidden), mb, with_entropy=True)
+        (logp * mb.valid).sum().backward()
+    seconds = time.perf_counter() - start
+    return ("plain" if chunked_logprobs is None else "chunked"), seconds, peak.mib()
+
+
+# ------------------------------------------------------------------ the parent
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.one is not None:
+        print(json.dumps(one_length(args)))
+        return
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_model(Path(tmp) / "model", args)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            child = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--one", str(tokens),
+                     "--model-dir", str(model_dir)]
+            out = subprocess.run(child, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if out.returncode:
+                sys.exit(f"{tokens} tokens failed:\n{out.stderr[-3000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            results.append(row)
+            print(f"{tokens:>6} tokens  step {row['step_s']:7.3f} s  {row['tokens_per_s']:8.1f} tok/s  "
+                  f"step peak {row['step_peak_mib']:8.1f} MiB  head ({row['head']}) {row['head_peak_mib']:8.1f} MiB "
+                  f"{row['head_s']:.3f} s", flush=True)
+    growth = results[-1]["step_peak_mib"] / max(results[0]["step_peak_mib"], 1e-9)
+    print(json.dumps({"device": args.device, "vocab": args.vocab, "hidden": args.hidden, "layers": args.layers,
+                      "samples": args.samples, "packed": args.packed, "dtype": args.dtype,
+                      "lengths": results, "step_peak_growth": round(growth, 2)}))
+
+
+if __name__ == "__main__":
+    main()
