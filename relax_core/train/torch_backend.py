@@ -125,10 +125,13 @@ def load_causal_lm(path: str | Path, dtype: str, device: str = "cpu", trust_remo
                    weights: bool = True) -> torch.nn.Module:
     """Load the policy (an HF causal LM; Qwen3-VL, or the Qwen3-Omni thinker: `models/multimodal.py`) in eval
     mode (dropout off: log-probs must match the engine's); `weights=False`: built without its weights, its
-    parameters on the meta device."""
+    parameters on the meta device. A packed micro-batch's samples are attended one by one (`varlen.py`)."""
     from relax_core.models.multimodal import load_policy
+    from relax_core.train.varlen import use_varlen
 
-    return load_policy(path, dtype, device, trust_remote_code, weights=weights)
+    model = load_policy(path, dtype, device, trust_remote_code, weights=weights)
+    use_varlen(model)
+    return model
 
 
 class TorchTrainer:
