@@ -17,11 +17,17 @@ log-softmax: the only one before it). Run against an older checkout to get its f
 
     PYTHONPATH=/path/to/old/checkout python3 tests/benchmarks/bench_train.py
 
-The last line is one JSON object: per length, step_s, tokens_per_s, step_peak_mib, head_peak_mib, head_s,
-and the growth of the step's peak from the shortest length to the longest. Minutes; not part of the tests.
+`--compare` also runs the shortest length's samples packed through the chunked head and padded through the model's own
+logits (the computation before it), and reports the largest differences of their response log-probs and
+of every parameter's gradient. `--head-only` measures the loss head alone, for a checkout whose full
+step at the longest length would not fit in memory.
+
+The last line is one JSON object: per length, step_s, tokens_per_s, step_peak_mib, head_peak_mib, head_s
+(and the differences with `--compare`), and the growth of the step's peak from the shortest length to
+the longest. Minutes; not part of the tests.
 
     python3 tests/benchmarks/bench_train.py [--tokens 2048,8192,16384] [--samples 4] [--packed]
-        [--vocab 151936] [--hidden 64] [--layers 2] [--device cpu] [--dtype float32]
+        [--compare] [--head-only] [--vocab 151936] [--hidden 64] [--layers 2] [--device cpu] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of each sample")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", help="the trainer's compute dtype")
+    p.add_argument("--head-only", action="store_true",
+                   help="measure the loss head alone (no train step): an old checkout's full step at 16k would not fit")
+    p.add_argument("--compare", action="store_true",
+                   help="at the shortest length, also: the packed, chunked step's log-probs and gradients against the "
+                        "padded, unchunked one's (whose [tokens x vocabulary] logits would not fit at the longest)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this length only
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -132,6 +143,9 @@ def one_length(args) -> dict:
     trainer.train_step(warm, advantages(warm))
     batch = samples_of(tokens, args, seed=2)
     peak = Peak(args.device)
+    if args.head_only:
+        head, head_s, head_peak = _head_alone(trainer, batch, peak)
+        return {"tokens": tokens, "head": head, "head_s": round(head_s, 3), "head_peak_mib": round(head_peak, 1)}
 
     peak.reset()
     start = time.perf_counter()
@@ -142,9 +156,42 @@ def one_length(args) -> dict:
     step_peak = peak.mib()
 
     head, head_s, head_peak = _head_alone(trainer, batch, peak)
-    return {"tokens": tokens, "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
-            "step_peak_mib": round(step_peak, 1), "head": head, "head_s": round(head_s, 3),
-            "head_peak_mib": round(head_peak, 1)}
+    row = {"tokens": tokens, "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
+           "step_peak_mib": round(step_peak, 1), "head": head, "head_s": round(head_s, 3),
+           "head_peak_mib": round(head_peak, 1)}
+    if args.compare and tokens == min(int(t) for t in args.tokens.split(",")):
+        row.update(_compare(trainer.model, batch, args.device))
+    return row
+
+
+def _compare(model, batch, device: str) -> dict:
+    """The largest differences between the packed micro-batch through `forward_logprobs` (the chunked head)
+    and the same samples padded, through the model's own logits and `response_logprobs` (the computation
+    before the chunked head): the response log-probs, and the gradients of every parameter of the loss
+    `sum(advantage x logp) / tokens`."""
+    import torch
+
+    from relax_core.train.batching import forward_logprobs, pack, response_logprobs
+
+    def run(packed: bool):
+        model.zero_grad(set_to_none=True)
+        mb = pack(batch, 0, device, packed=packed)
+        if packed:
+            logp, _ = forward_logprobs(model, mb)
+        else:
+            inputs = {"input_ids": mb.input_ids, "attention_mask": mb.attention_mask, "position_ids": mb.position_ids}
+            logp, _ = response_logprobs(model(**inputs, use_cache=False).logits, mb)
+        sign = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(batch))], device=logp.device).unsqueeze(-1)
+        (logp * sign * mb.valid).sum().div(mb.valid.sum()).backward()
+        values = torch.cat([logp[i, :s.response_len].detach() for i, s in enumerate(batch)])
+        return values, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (plain, plain_grads), (chunked, chunked_grads) = run(packed=False), run(packed=True)
+    model.zero_grad(set_to_none=True)
+    assert plain_grads.keys() == chunked_grads.keys()
+    return {"logp_max_diff": float((plain - chunked).abs().max()),
+            "grad_max_diff": max(float((plain_grads[n] - chunked_grads[n]).abs().max()) for n in plain_grads),
+            "grad_max_abs": max(float(g.abs().max()) for g in plain_grads.values())}
 
 
 def _head_alone(trainer, batch, peak: Peak) -> tuple[str, float, float]:
@@ -194,13 +241,18 @@ def main(argv=None) -> None:
                 sys.exit(f"{tokens} tokens failed:\n{out.stderr[-3000:]}")
             row = json.loads(out.stdout.strip().splitlines()[-1])
             results.append(row)
+            if args.head_only:
+                print(f"{tokens:>6} tokens  head ({row['head']}) {row['head_peak_mib']:8.1f} MiB {row['head_s']:.3f} s",
+                      flush=True)
+                continue
             print(f"{tokens:>6} tokens  step {row['step_s']:7.3f} s  {row['tokens_per_s']:8.1f} tok/s  "
                   f"step peak {row['step_peak_mib']:8.1f} MiB  head ({row['head']}) {row['head_peak_mib']:8.1f} MiB "
                   f"{row['head_s']:.3f} s", flush=True)
-    growth = results[-1]["step_peak_mib"] / max(results[0]["step_peak_mib"], 1e-9)
+    steps = [r["step_peak_mib"] for r in results if "step_peak_mib" in r]
+    growth = steps[-1] / max(steps[0], 1e-9) if steps else None
     print(json.dumps({"device": args.device, "vocab": args.vocab, "hidden": args.hidden, "layers": args.layers,
                       "samples": args.samples, "packed": args.packed, "dtype": args.dtype,
-                      "lengths": results, "step_peak_growth": round(growth, 2)}))
+                      "lengths": results, "step_peak_growth": growth and round(growth, 2)}))
 
 
 if __name__ == "__main__":
