@@ -480,6 +480,10 @@ class NodeGroup(Section):
     gpu_type: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """GPU model as the site's Slurm names it (the type in `sinfo -o %G`'s `gpu:a100:8` is `a100`): the job
     asks for `--gres=gpu:<gpu_type>:<gpus_per_node>` on each node. Any model when unset (`--gres=gpu:N`)."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Memory of each of this group's GPUs, in GiB: the memory plan (`relax validate`) refuses a recipe whose
+    trainer ranks, engines or reference workers would not fit it. From `gpu_type` when unset and the type
+    names one size (h100 80, h200 141, ...: launch/memory.py); unchecked otherwise."""
     partition: str | None = None
     """This group's partition; `cluster.slurm.partition` when unset (e.g. rollout nodes in another partition)."""
     account: str | None = None
@@ -496,6 +500,9 @@ class NodeGroup(Section):
         if self.gpu_type and not self.gpus_per_node:
             raise ValueError(f"gpu_type is {self.gpu_type} but gpus_per_node is 0: set gpus_per_node, "
                              "or drop gpu_type")
+        if self.gpu_memory_gib and not self.gpus_per_node:
+            raise ValueError(f"gpu_memory_gib is {self.gpu_memory_gib:g} but gpus_per_node is 0: set gpus_per_node, "
+                             "or drop gpu_memory_gib")
         return self
 
     @property

@@ -336,7 +336,8 @@ def _judge_dir(model: str) -> str:
 
 
 def plan_lines(recipe: Recipe, executor: str, python: str | None = None, run_dir: str | None = None) -> list[str]:
-    """The plan as printed: the groups' arithmetic, one line per process, the engine command lines.
+    """The plan as printed: the groups' arithmetic, one line per process, the engine command lines, the
+    memory plan of each GPU (`memory.py`).
 
     Args:
         executor: `local` (every node group a share of this machine's cores) or `slurm`.
@@ -364,10 +365,12 @@ def plan_lines(recipe: Recipe, executor: str, python: str | None = None, run_dir
                  "its API key is in its environment):")
     for name, argv in planner.commands(python or sys.executable):
         lines.append(f"  {name}: {_PLACEHOLDER.sub(lambda m: m[1], shlex.join(argv))}")
+    from relax_core.launch.memory import memory_lines
+
     legend = _model_dir_of(recipe)[1]
     if recipe.reward.judge_engines and _judge_dir(recipe.reward.genrm.model).startswith("<"):
         legend.append(f"<judge-model-dir>: the hub snapshot of {recipe.reward.genrm.model} (fetched once)")
-    text = "\n".join(lines + [f"  {item}" for item in legend])
+    text = "\n".join(lines + [f"  {item}" for item in legend] + memory_lines(recipe))
     return (text.replace("<run-dir>", run_dir) if run_dir else text).splitlines()
 
 

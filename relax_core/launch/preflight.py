@@ -3,7 +3,7 @@
 The schema has already checked the recipe's shape; these check that the run
 can work on the executor it will use: this version of Relax has code for
 everything it asks for (`unavailable_features`), its engines' GPUs fit its
-node groups (`plan.resource_problems`), the names it uses exist, the
+node groups (`plan.resource_problems`) and each GPU's memory (`memory.memory_problems`), the names it uses exist, the
 batch fits the model's context, every media file of its data set decodes
 (`_multimodal_problems`), and the executor has what it needs. Every
 problem is a `RecipeError` (exit code 2) that says what to change.
@@ -19,6 +19,7 @@ from relax_core.config.checks import looks_like_hub_id, reference_problems
 from relax_core.config.schema import FileData, HFModel, Recipe, SyntheticData, TinyModel
 from relax_core.data.prompts import MEDIA_TASKS
 from relax_core.errors import RecipeError, UserError
+from relax_core.launch.memory import memory_problems
 from relax_core.launch.plan import resource_problems
 from relax_core.models.tiny import TEMPLATE_CHARS
 
@@ -34,18 +35,19 @@ def preflight(recipe: Recipe, recipe_path: str | Path, executor) -> None:
     problems = unavailable_features(recipe) + resource_problems(recipe) + reference_problems(recipe)
     problems += _memory_saver_problems(recipe) + _reward_problems(recipe) + _multimodal_problems(recipe)
     problems += _context_problems(recipe) + _tokenizer_problems(recipe) + _remote_code_problems(recipe)
-    problems += agentic_problems(recipe)
-    _raise_if(problems + executor.problems(recipe), recipe_path)
+    problems += agentic_problems(recipe) + memory_problems(recipe)
+    raise_if(problems + executor.problems(recipe), recipe_path)
 
 
 def refuse_unavailable(recipe: Recipe, recipe_path: str | Path) -> None:
     """`relax validate`: a recipe this version cannot run on any executor (or whose processes do not fit
-    its node groups, or whose media do not decode) is an error there too."""
+    its node groups or their GPUs' memory, or whose media do not decode) is an error there too."""
     problems = unavailable_features(recipe) + resource_problems(recipe) + _memory_saver_problems(recipe)
-    _raise_if(problems + _multimodal_problems(recipe) + agentic_problems(recipe), recipe_path)
+    problems += memory_problems(recipe)
+    raise_if(problems + _multimodal_problems(recipe) + agentic_problems(recipe), recipe_path)
 
 
-def _raise_if(problems: list[str], recipe_path: str | Path) -> None:
+def raise_if(problems: list[str], recipe_path: str | Path) -> None:
     if problems:
         lines = "\n".join(f"  {p}" for p in problems)
         raise RecipeError(f"{recipe_path}: cannot run this recipe ({len(problems)} problem(s)); "

@@ -136,10 +136,15 @@ def dry_run_plan(sub: Submission) -> list[str]:
 
 def fetch(sub: Submission, say=None) -> None:
     """Download the hub ids the recipe names into the shared cache, here on the login node, before anything
-    is recorded: one that cannot be fetched is a `RecipeError` naming its field, and nothing is submitted."""
+    is recorded: one that cannot be fetched is a `RecipeError` naming its field, and nothing is submitted;
+    nor is a recipe whose memory plan, made from the fetched model's config, does not fit its GPUs."""
     from relax_core.launch.hub import fetch_hub
+    from relax_core.launch.memory import memory_problems
+    from relax_core.launch.preflight import raise_if
 
     sub.hub = fetch_hub(sub.recipe, sub.run.path, say)
+    if "model.path" in sub.hub:  # its config.json is here now: the memory plan it could not make before
+        raise_if(memory_problems(sub.recipe, sub.hub["model.path"]), sub.recipe_path)
 
 
 def record(sub: Submission) -> None:
