@@ -296,11 +296,14 @@ class Job:
 
     def train(self, samples: list[Sample], advantages: list[float] | None = None,
               snapshot_version: int | None = None) -> dict[str, float]:
-        """One optimizer step over all ranks (`advantages`: one per sample, from the advantage stage)."""
-        world = len(self.trainers)
-        cuts = [(r * len(samples) // world, (r + 1) * len(samples) // world) for r in range(world)]
-        refs = [t.train_step.remote(samples[a:b], advantages[a:b] if advantages is not None else None,
-                                    snapshot_version) for t, (a, b) in zip(self.trainers, cuts)]
+        """One optimizer step over all ranks (`advantages`: one per sample, from the advantage stage), each
+        rank given a share of the samples with about the same number of tokens (`balanced_shards`)."""
+        from relax_core.data.balance import balanced_shards
+
+        shards = balanced_shards([s.num_tokens for s in samples], len(self.trainers))
+        refs = [t.train_step.remote([samples[i] for i in shard],
+                                    [advantages[i] for i in shard] if advantages is not None else None,
+                                    snapshot_version) for t, shard in zip(self.trainers, shards)]
         return self._ray.get(refs)[0]
 
     def sleep_trainers(self, parts: list[str]) -> None:

@@ -74,7 +74,8 @@ def train_streaming(job: Job) -> str:
                 if books is not None:
                     books.write(job)  # the step trained last is complete: the checkpoint holds it
                 return job.stop_here()
-            record, parts = upcoming.record, None if upcoming.prefetched else upcoming.meta.chunk(world)
+            record = upcoming.record
+            parts = None if upcoming.prefetched else job.bus.rank_shards(upcoming.meta, world)
             dispatched = time.perf_counter()
             refs = job.train_rows(parts, fields, step)
             if books is not None:
@@ -182,7 +183,8 @@ class Upcoming:
                 return
             ray.wait(self._waitables() + busy, num_returns=1, timeout=POLL_S)
             if self._advance(0):
-                self.job.prefetch_rows(self.meta.chunk(len(self.job.trainers)), self.job.services.fields, self.step)
+                shards = self.job.bus.rank_shards(self.meta, len(self.job.trainers))
+                self.job.prefetch_rows(shards, self.job.services.fields, self.step)
                 self.prefetched = True
                 return
 

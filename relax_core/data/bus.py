@@ -54,6 +54,7 @@ ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask",
 TOKEN_COLUMNS = frozenset({"ref_logprobs"})
 TRAINER = "trainer"  # the consumer the trainer ranks' rows are claimed for
 SEQ = "relax_seq"  # put order, in each row's custom_meta
+TOKENS = "relax_tokens"  # prompt + response tokens, in each row's custom_meta: what the ranks are balanced by
 POLL_S = 0.005  # TransferQueue's controller answers "not ready" at once in polling mode; we wait here
 _TQ_ACTOR = ("TransferQueueController", "transfer_queue")  # (name, namespace) of TQ's controller
 
@@ -167,7 +168,7 @@ class SampleBus:
         # so the sampler never sees a complete row without its place in the order
         meta = self._client.get_meta(data_fields=list(ROLLOUT_FIELDS), batch_size=len(samples),
                                      partition_id=partition_id(step), mode="insert")
-        meta.update_custom_meta([{SEQ: first + i} for i in range(len(samples))])
+        meta.update_custom_meta([{SEQ: first + i, TOKENS: s.num_tokens} for i, s in enumerate(samples)])
         self._client.set_custom_meta(meta)
         self._client.put(data, metadata=meta)
 
@@ -232,6 +233,15 @@ class SampleBus:
                                    f"after {timeout_s:g} s ({ready} ready)")
             time.sleep(pause)
             pause = min(pause * 2, POLL_S)
+
+    @staticmethod
+    def rank_shards(meta, parts: int) -> list:
+        """Claimed rows (`meta`) split over `parts` trainer ranks, each a `BatchMeta` of about the same number
+        of tokens (`balance.balanced_shards`, from the token counts `put` gave each row)."""
+        from relax_core.data.balance import balanced_shards
+
+        lengths = [row.get(TOKENS, 1) for row in meta.get_all_custom_meta()]
+        return [meta.select_samples(shard) for shard in balanced_shards(lengths, parts)]
 
     def fetch(self, meta, fields: tuple[str, ...] = ()) -> tuple[list[Sample], dict[str, list]]:
         """The claimed rows of `meta` as `Sample`s, and the extra `fields` as one value per row."""

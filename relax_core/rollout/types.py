@@ -63,3 +63,8 @@ class Sample:
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt and response tokens: what the sample costs a trainer's forward and backward."""
+        return len(self.prompt_ids) + len(self.response_ids)

@@ -157,3 +157,19 @@ def test_every_sample_field_travels_on_the_bus():
     from relax_core.data.bus import ROLLOUT_FIELDS
 
     assert sorted(ROLLOUT_FIELDS) == sorted(f.name for f in dataclasses.fields(Sample))
+
+
+def test_claimed_rows_are_split_over_ranks_by_their_tokens(bus):
+    # the long responses first, as a contiguous split would give them all to rank 0
+    lengths = [900, 880, 860, 840, 20, 10, 5, 1]
+    rows = [Sample(prompt_ids=[1, 2], response_ids=[3] * n, rollout_logprobs=[-0.5] * n, group_id=i // 2,
+                   sample_id=500 + i) for i, n in enumerate(lengths)]
+    bus.put(30, rows)
+    meta = bus.claim(30, 8)
+    shards = bus.rank_shards(meta, 2)
+    fetched = [bus.fetch(shard)[0] for shard in shards]
+    tokens = [sum(s.num_tokens for s in rank) for rank in fetched]
+    assert [len(rank) for rank in fetched] == [4, 4]
+    assert sorted(s.sample_id for rank in fetched for s in rank) == [500 + i for i in range(8)]
+    assert max(tokens) - min(tokens) <= 40  # contiguous halves: 3488 and 44 tokens
+    bus.clear(30)
