@@ -12,9 +12,9 @@ gradients and Adam's state as the backend keeps them (torch: float32 master weig
 over the ranks; megatron: compute-dtype weights and float32 gradients per tensor/pipeline shard, float32
 master weights and Adam's moments sharded over data-parallel ranks with the distributed optimizer),
 activations of one micro-batch at the recipe's token budget (each decoder layer's saved tensors per token,
-or only its input with recompute, plus one layer's whole), the loss head (torch: the chunked head's
-float32 chunk, `train/loss_head.py`; megatron: the gathered `[tokens x vocabulary]` logits and the
-float32 log-softmax of the response rows), the critic's and the reference model's share, and a fixed
+or only its input with recompute, plus one layer's whole), the loss head (the chunked head's float32
+chunk, `train/loss_head.py`; megatron's output layer also keeps each rank's vocabulary slice of every
+token's logits, and its gradient), the critic's and the reference model's share, and a fixed
 allowance for the CUDA context, NCCL and allocator slack. In colocate the engines release their memory
 while the trainer trains (`enable_memory_saver`); what SGLang keeps then (its CUDA context and graphs)
 is in the allowance.
@@ -51,6 +51,7 @@ class Shape:
     params: int  # every parameter, encoders and all experts included
     hidden: int
     layers: int
+    heads: int  # attention heads
     query: int  # attention heads x head_dim
     kv: int  # key/value heads x head_dim
     mlp: int  # MLP width a token goes through (MoE: top-k routed experts' widths + the shared expert's)
@@ -114,7 +115,7 @@ def shape_of(config: dict) -> Shape:
     layer = attention + mlp_params + 2 * h  # two RMSNorms
     tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     params = layers * layer + vocab * h * (1 if tied else 2) + h + encoders
-    return Shape(params, h, layers, q, kv, mlp, vocab)
+    return Shape(params, h, layers, heads, q, kv, mlp, vocab)
 
 
 def _encoder_params(config: dict) -> int:
@@ -162,9 +163,12 @@ def trainer_plan(recipe: Recipe, shape: Shape) -> list[Item]:
         per_token_layer = c * (6 * shape.hidden + (2 * shape.query + 2 * shape.kv + 4 * shape.mlp) / tp)
         items.append(_activations(recipe, per_token_layer, layers, tokens, c, shape.hidden,
                                   f"{c} B x (6h + (2q + 2kv + 4i) / TP {tp})"))
-        head = 2 * 2 * tokens * shape.vocab + 3 * 4 * responses * shape.vocab
-        items.append(Item("loss head", head, f"gathered logits and their gradient 2 x 2 B x {_n(tokens)} tokens x "
-                          f"{_n(shape.vocab)} + float32 log-softmax 3 x 4 B x {_n(responses)} response tokens x vocab"))
+        items.append(_local_attention(recipe, shape, layers, c))
+        items.append(Item("logits", 2 * c * tokens * shape.vocab / tp,
+                          f"this rank's vocabulary slice and its gradient 2 x {c} B x {_n(tokens)} tokens x "
+                          f"{_n(shape.vocab)} / TP {tp}"))
+        items.append(Item("loss head", 3 * HEAD_CHUNK_BYTES, f"3 x {HEAD_CHUNK_BYTES // 1024**2} MiB float32 chunk "
+                          "(vocabulary-parallel, train/loss_head.py)"))
     else:
         fsdp = train.fsdp if train.fsdp is not None else recipe.cluster.train.gpus_per_node > 0
         shards = ranks if fsdp else 1
@@ -186,6 +190,19 @@ def trainer_plan(recipe: Recipe, shape: Shape) -> list[Item]:
     items += _companions(recipe, shape, c, ranks)
     items.append(Item("runtime", RUNTIME_GIB * GIB, "CUDA context, NCCL, allocator slack (and a sleeping engine's)"))
     return items
+
+
+def _local_attention(recipe: Recipe, shape: Shape, layers: int, c: int) -> Item:
+    """Megatron's local layer spec (the one Relax builds: Transformer Engine's is not used yet) attends with
+    `DotProductAttention`: `[B, heads / TP, L, L]` scores and their softmax kept for the backward, per layer
+    (one layer with recompute), beside a `[B, 1, L, L]` mask; no flash attention."""
+    train, ro = recipe.train, recipe.rollout
+    length, batch = ro.max_prompt_len + ro.max_new_tokens, train.micro_batch_size
+    heads = shape.heads // train.tensor_parallel
+    kept = 1 if train.recompute_activations else layers
+    total = kept * batch * heads * length**2 * 2 * c + batch * length**2
+    return Item("attention", total, f"local spec, no flash: {kept} layer(s) x {batch} x {heads} heads per TP rank x "
+                f"{_n(length)}^2 x 2 x {c} B (scores, softmax) + the mask")
 
 
 def _activations(recipe: Recipe, per_token_layer: float, layers: int, tokens: int, c: int, hidden: int,

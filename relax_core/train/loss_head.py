@@ -175,3 +175,84 @@ def fused_forward(model: torch.nn.Module, head: torch.nn.Linear, inputs: dict, m
     if result.logp is None or logits is not result.logp:
         return None
     return result.logp, result.entropy
+
+
+class VocabParallelLogprob(torch.autograd.Function):
+    """`ChunkedLogprob` for logits split by vocabulary over a tensor-parallel group (megatron-core's output
+    layer gives each rank `[N, V/TP]`): the log-softmax's max, sum and target logit are reduced over
+    `group` per chunk of tokens, so no rank gathers the vocabulary, and the float32 copy is one chunk's.
+    Columns at and past `vocab_end` (megatron pads the vocabulary to a multiple of its TP size) are left
+    out, as the unpadded model has no such tokens. The backward recomputes each chunk's softmax from the
+    saved slice and log-sum-exp: `d logp_i / d logit_ij = [j == target_i] - softmax_ij`, on this rank's
+    columns only (megatron's `vocab_parallel_cross_entropy` differentiates the same way)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start: int, vocab_end: int, group, chunk: int, with_entropy: bool):
+        import torch.distributed as dist
+
+        n, width = logits.shape
+        real = max(0, min(width, vocab_end - vocab_start))  # this rank's columns that are real tokens
+        local = targets - vocab_start
+        mine = (local >= 0) & (local < real)
+        index = torch.where(mine, local, torch.zeros_like(local)).unsqueeze(-1)
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
+            x = logits[rows, :real].to(torch.float32, copy=True)  # worked on in place below
+            top = x.max(dim=-1).values if real else x.new_full((x.shape[0],), -torch.inf)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            x -= top.unsqueeze(-1)
+            # a rank whose columns are all padding (a small vocabulary over many ranks) adds nothing
+            target = torch.where(mine[rows], x.gather(-1, index[rows]).squeeze(-1), 0.0) if real else top * 0
+            x.exp_()
+            sums = torch.stack([x.sum(-1), target])
+            dist.all_reduce(sums, group=group)
+            lse[rows] = top + sums[0].log()
+            logp[rows] = sums[1] - sums[0].log()
+            if with_entropy:  # H = log Z - sum p (logit - max): the shifted logits, summed over ranks
+                weighted = (x * (logits[rows, :real].float() - top.unsqueeze(-1))).sum(-1) / sums[0]
+                dist.all_reduce(weighted, group=group)
+                entropy[rows] = sums[0].log() - weighted
+            del x
+        ctx.save_for_backward(logits, lse, index, mine)
+        ctx.chunk, ctx.real = chunk, real
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        logits, lse, index, mine = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for start in range(0, logits.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            g = grad_logp[rows].float().unsqueeze(-1)
+            if not ctx.real:
+                break
+            part = torch.exp(logits[rows, :ctx.real].float() - lse[rows].unsqueeze(-1)).mul_(-g)
+            part.scatter_add_(-1, index[rows], g * mine[rows].unsqueeze(-1))
+            grad[rows, :ctx.real] = part.to(grad.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_end: int,
+                            group, with_entropy: bool = False, chunk: int | None = None):
+    """`[N]` log-probs of `targets` from this rank's `[N, V/TP]` slice of the logits (its columns are the
+    tokens from `vocab_start`; the real vocabulary ends at `vocab_end`), and their entropy."""
+    chunk = chunk or chunk_tokens(logits.shape[-1])
+    logp, entropy = VocabParallelLogprob.apply(logits, targets, vocab_start, vocab_end, group, chunk, with_entropy)
+    return logp, (entropy if with_entropy else None)
+
+
+def vocab_parallel_response_logprobs(logits: torch.Tensor, mb, *, vocab_size: int, group, rank: int,
+                                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`[B, R]` log-probs (and entropy) of `mb`'s response tokens from this TP rank's `[B, L, V/TP]` logits:
+    `batching.response_logprobs` for a vocabulary split over `group`, this rank holding its `rank`-th
+    slice."""
+    rows = ResponseRows(mb.logit_index, mb.valid, mb.packed)
+    width = logits.shape[-1]
+    logp, entropy = vocab_parallel_logprobs(rows(logits), mb.response_ids[mb.valid], vocab_start=rank * width,
+                                            vocab_end=vocab_size, group=group, with_entropy=with_entropy)
+    shape = tuple(mb.valid.shape)
+    return _scatter(logp, shape, mb.valid), (_scatter(entropy, shape, mb.valid) if entropy is not None else None)

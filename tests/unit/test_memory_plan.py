@@ -70,7 +70,18 @@ def test_each_training_knob_moves_the_plan(qwen3_4b):
     no_dist = plan(MEGATRON, qwen3_4b, "train.distributed_optimizer=false")
     assert no_dist["optimizer"] == pytest.approx(4 * tp2["optimizer"])  # 4 data-parallel ranks
     one = plan(MEGATRON, qwen3_4b, "train.micro_batch_size=1")
-    assert one["loss head"] == pytest.approx(tp2["loss head"] / 4)
+    four = plan(MEGATRON, qwen3_4b, "train.micro_batch_size=4")
+    assert one["logits"] == pytest.approx(four["logits"] / 4)
+    assert tp4["logits"] == pytest.approx(tp2["logits"] / 2)  # each rank keeps its vocabulary slice
+    assert one["loss head"] == tp2["loss head"] < 1.0  # GiB: chunks of tokens, never tokens x vocabulary
+    every_layer = plan(MEGATRON, qwen3_4b, "train.recompute_activations=false")
+    assert every_layer["attention"] > 30 * tp2["attention"]  # the local spec keeps every layer's scores
+
+
+@pytest.mark.parametrize("recipe_file", [MEGATRON, FSDP])
+def test_the_shipped_qwen3_4b_recipes_fit_an_80_gb_gpu(qwen3_4b, recipe_file):
+    recipe = load_recipe(recipe_file, [f"model.path={qwen3_4b}", "cluster.train.gpu_memory_gib=80"])
+    assert memory_problems(recipe) == [], memory_lines(recipe)
 
 
 def test_the_chunked_heads_plan_stays_flat_as_responses_grow(qwen3_4b):

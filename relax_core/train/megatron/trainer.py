@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from relax_core.algorithms.specs import get_spec  # noqa: F401  (the spec is read in _init_algorithm)
 from relax_core.rollout.types import Sample
-from relax_core.train.batching import MicroBatch, response_logprobs
+from relax_core.train.batching import MicroBatch
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.megatron import compat
 from relax_core.train.megatron.forward import attention_mask_, full_logits
@@ -242,19 +242,20 @@ class MegatronTrainer(TorchTrainer):
     def _schedule(self, model, batches: list[MicroBatch | None], loss_fn, *, forward_only: bool,
                   head: str = "lm") -> None:
         """Run `batches` through megatron-core's forward/backward schedule; `loss_fn(i, output, mb)` (last
-        stage) returns the loss of batch i (None: an idle pass, loss 0). `head` "lm": the output is the
-        logits, gathered over the vocabulary's TP slices; "value": the critic's `[B, L, 1]` values."""
+        stage) returns the loss of batch i (None: an idle pass, loss 0). `head` "lm": the output is this TP
+        rank's slice of the logits (`_response_logprobs` reads it); "logits": the logits, gathered over the
+        vocabulary's TP slices; "value": the critic's `[B, L, 1]` values."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         idle = self._idle_batch()
         items = [(i, b if b is not None else idle) for i, b in enumerate(batches)]
         vocab = self.hf_config["vocab_size"]
-        # bf16 logits to the loss (`response_logprobs` takes fp32 of the response rows only), not a
-        # [tokens x vocabulary] fp32 copy made by Float16Module; the critic's one value per token in fp32.
-        half = {"fp32_output": False} if self.module.config.bf16 and head == "lm" else {}
+        # bf16 logits to the loss (`_response_logprobs` takes fp32 of one chunk of response rows at a time),
+        # not a [tokens x vocabulary] fp32 copy made by Float16Module; the critic's one value per token in fp32.
+        half = {"fp32_output": False} if self.module.config.bf16 and head in ("lm", "logits") else {}
 
         def full(output):
-            return full_logits(output, vocab) if head == "lm" else output
+            return full_logits(output, vocab) if head == "logits" else output
 
         def forward_step(data_iterator, chunk):
             index, mb = next(data_iterator)
@@ -289,12 +290,24 @@ class MegatronTrainer(TorchTrainer):
             dist.broadcast(tensor, src=last, group=group)
         return tensor
 
+    def _response_logprobs(self, logits: torch.Tensor, mb: MicroBatch, *, with_entropy: bool = False):
+        """`[B, R]` log-probs (and entropy) of the response tokens from this TP rank's slice of the logits,
+        reduced over the TP group in chunks of tokens (`loss_head.VocabParallelLogprob`): no rank gathers the
+        `[tokens x vocabulary]` logits or makes their float32 log-softmax."""
+        from megatron.core import parallel_state as ps
+
+        from relax_core.train.loss_head import vocab_parallel_response_logprobs
+
+        return vocab_parallel_response_logprobs(
+            logits, mb, vocab_size=self.hf_config["vocab_size"], group=ps.get_tensor_model_parallel_group(),
+            rank=ps.get_tensor_model_parallel_rank(), with_entropy=with_entropy)
+
     def _logprobs_of(self, model, batches: list[MicroBatch]) -> list[torch.Tensor]:
         """`[B, R]` log-probs of each batch (no grad), on every rank."""
         out: dict[int, torch.Tensor] = {}
 
         def loss_fn(index, logits, mb):
-            out[index] = response_logprobs(logits, mb)[0].detach()
+            out[index] = self._response_logprobs(logits, mb)[0].detach()
             return logits.sum() * 0.0
 
         with torch.no_grad():
@@ -320,7 +333,7 @@ class MegatronTrainer(TorchTrainer):
             out[index] = logits.detach().float()
             return logits.sum() * 0.0
 
-        self._schedule(self.ddp, [mb], keep, forward_only=True)
+        self._schedule(self.ddp, [mb], keep, forward_only=True, head="logits")
         result = out.get(0, torch.zeros(batch, length, self.hf_config["vocab_size"], device=device))
         return self._from_last_stage(result.contiguous())
 
@@ -401,7 +414,7 @@ class MegatronTrainer(TorchTrainer):
         micros = list(mini.micros)
 
         def loss_fn(index, logits, mb):
-            logp, entropy = response_logprobs(logits, mb, with_entropy=True)
+            logp, entropy = self._response_logprobs(logits, mb, with_entropy=True)
             loss, parts, micro_extremes = self._loss_from(logp, entropy, micros[index], mini)
             sums.add_(parts.to(device))
             torch.maximum(extremes, micro_extremes.to(device), out=extremes)
