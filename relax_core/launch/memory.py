@@ -333,10 +333,12 @@ def _advice(recipe: Recipe) -> str:
     train, tips = recipe.train, []
     if not train.recompute_activations:
         tips.append("train.recompute_activations: true")
+    if train.backend == "torch" and train.max_tokens_per_gpu:
+        tips.append("a smaller train.max_tokens_per_gpu")
+    elif train.micro_batch_size > 1:
+        tips.append("a smaller train.micro_batch_size")
     if train.backend == "torch" and not train.max_tokens_per_gpu:
         tips.append("train.max_tokens_per_gpu (pack micro-batches to a token budget)")
-    if train.micro_batch_size > 1:
-        tips.append("a smaller train.micro_batch_size")
     if train.backend == "megatron":
         tips.append("a larger train.tensor_parallel or train.distributed_optimizer: true")
     elif train.fsdp is False:

@@ -116,7 +116,7 @@ def test_validate_and_a_dry_run_refuse_a_recipe_that_cannot_fit_and_write_nothin
     proc = relax("validate", str(FSDP), *args)
     assert proc.returncode == 2, proc.stderr
     assert "one trainer rank needs about" in proc.stderr and "of 40 GiB: DOES NOT FIT" in proc.stderr
-    assert "set train.recompute_activations: true" in proc.stderr
+    assert "set train.recompute_activations: true, or a smaller train.max_tokens_per_gpu" in proc.stderr
     assert "activations" in proc.stderr and "36 layers x 10.2k tokens" in proc.stderr  # the arithmetic
     proc = relax("submit", str(FSDP), *args, "--dry-run", "--executor", "slurm")
     assert proc.returncode == 2 and "DOES NOT FIT" in proc.stderr
