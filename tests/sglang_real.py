@@ -38,7 +38,8 @@ the child processes they start (this file as a script, or their own).
 `python tests/sglang_real.py engine --host H --port P` serves an engine stand-in whose
 weight-update group is SGLang's own: `/init_weights_update_group` calls `init_custom_process_group`
 exactly as SGLang's model runner does, `/update_weights_from_distributed` receives as SGLang's does
-(its two torch calls per tensor; Relax sends no `load_format="flattened_bucket"`), and `/received`
+(its two torch calls per tensor; with `load_format="flattened_bucket"`, which Relax sends, SGLang's own
+`FlattenedTensorBucket` lays out and takes apart the one broadcast tensor), and `/received`
 saves what arrived for the test to compare. SGLang's receive method itself cannot be imported here
 (its module imports torchvision and the model loaders), so its few lines are mirrored below, pinned
 by line.
@@ -90,6 +91,7 @@ def _import() -> types.SimpleNamespace:
     try:
         from sglang.srt.utils import common, patch_torch
         from sglang.srt.utils.network import NetworkAddress
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except BaseException:
         for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
             del sys.modules[name]  # else the next attempt fails with KeyError: 'sglang' (see the module docstring)
@@ -106,6 +108,7 @@ def _import() -> types.SimpleNamespace:
         monkey_patch_torch_reductions=patch_torch.monkey_patch_torch_reductions,
         patch_torch=patch_torch,
         NetworkAddress=NetworkAddress,
+        FlattenedTensorBucket=FlattenedTensorBucket,
     )
 
 
@@ -217,10 +220,11 @@ class _Engine:
         if not self.session:
             return False, ("update_weights_from_distributed must run between begin_weight_update() and "
                            "end_weight_update()")
-        if body.get("load_format") is not None:
-            return False, f"the stand-in receives load_format None only, not {body['load_format']!r}"
+        if body.get("load_format") not in (None, "flattened_bucket"):
+            return False, f"the stand-in receives load_format None or flattened_bucket, not {body['load_format']!r}"
         try:
-            weights = self._receive(body["names"], body["dtypes"], body["shapes"], body["group_name"])
+            receive = self._receive_flattened if body.get("load_format") == "flattened_bucket" else self._receive
+            weights = receive(body["names"], body["dtypes"], body["shapes"], body["group_name"])
         except Exception as exc:  # noqa: BLE001
             return False, f"Failed to receive weights: {exc}"
         self.received.update(weights)
@@ -243,6 +247,16 @@ class _Engine:
         for handle in handles:
             handle.wait()
         return weights
+
+    def _receive_flattened(self, names, dtypes, shapes, group_name):
+        import torch.distributed as dist
+
+        # weight_updater.py:275-277 and 299-308 (`_receive_bucketed_weights_from_distributed`), device "cpu":
+        # SGLang's own FlattenedTensorBucket lays the bytes out and takes them apart
+        assert group_name in self.groups, f"Group {group_name} not in {list(self.groups)}."
+        bucket = self.sglang.FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+        dist.broadcast(bucket.get_flattened_tensor(), src=0, group=self.groups[group_name])
+        return [(name, tensor.clone()) for name, tensor in bucket.reconstruct_tensors()]
 
 
 def serve(host: str, port: int) -> None:

@@ -267,8 +267,10 @@ class EngineClient:
         flush_cache: bool = True,
         weight_version: str | None = None,
         abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
-        """Announce one bucket; the engine then receives each tensor by broadcast from rank 0."""
+        """Announce one bucket; the engine then receives each tensor by broadcast from rank 0 (`load_format`
+        "flattened_bucket": the bucket's bytes as one tensor)."""
         body = {
             "names": names,
             "dtypes": dtypes,
@@ -279,6 +281,8 @@ class EngineClient:
         }
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
         return await self._post_result("/update_weights_from_distributed", body)
 
     async def begin_weight_update(self) -> bool:

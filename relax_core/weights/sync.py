@@ -7,13 +7,15 @@ Hugging Face names (the Megatron backend gathers and converts them first). A
 engines are ranks 1..N, using SGLang's protocol:
 
     POST /begin_weight_update to every engine (SGLang's weight-update session)
-    per bucket:  POST /update_weights_from_distributed {names, dtypes, shapes}
-                 to every engine (concurrently)  ||  broadcast each tensor
-                 of the bucket from rank 0, in the order of `names`
+    per bucket:  POST /update_weights_from_distributed {names, dtypes, shapes,
+                 load_format: "flattened_bucket"} to every engine (concurrently)
+                 ||  broadcast the bucket from rank 0 as one byte tensor, the
+                 tensors' bytes in the order of `names` (`flattened`)
     POST /end_weight_update
 
 Buckets bound the memory in flight and let the HTTP round trip of one bucket
-overlap the broadcasts. Only the last bucket carries the new
+overlap the broadcasts; one collective per bucket, not per tensor, keeps
+small buckets near a raw broadcast's speed (tests/benchmarks/bench_weight_sync.py). Only the last bucket carries the new
 `weight_version`, so an engine reports the new version only once every
 tensor has arrived. When the set of engines changes (elastic rollout),
 `set_engines` tears the group down and builds a new one.
@@ -52,6 +54,7 @@ from relax_core.weights.process_group import (
 )
 
 NamedTensor = tuple[str, torch.Tensor]
+FLATTENED = "flattened_bucket"  # SGLang's load_format for a bucket sent as one byte tensor
 REPORT_GRACE_S = 2.0  # after rank 0's own part failed: how long the engines' calls get to say which engine failed
 CLEANUP_TIMEOUT_S = 30.0  # per engine call after a failure: an engine stuck in the collective answers late or never
 
@@ -174,6 +177,7 @@ class WeightBroadcaster:
 
     async def _send_bucket(self, bucket: list[NamedTensor], weight_version: str | None) -> None:
         tensors = [self._on_device(t) for _, t in bucket]
+        flat = flattened(tensors)
         announce = [
             asyncio.ensure_future(
                 client.update_weights_from_distributed(
@@ -182,11 +186,13 @@ class WeightBroadcaster:
                     shapes=[list(t.shape) for t in tensors],
                     group_name=self.group_name,
                     weight_version=weight_version,
+                    flush_cache=weight_version is not None,  # the KV cache goes once, with the last bucket
+                    load_format=FLATTENED if flat is not None else None,
                 )
             )
             for client in self.clients
         ]
-        sent = _in_thread(_broadcast_all, tensors, self.group)
+        sent = _in_thread(_broadcast_all, [flat] if flat is not None else tensors, self.group)
         failure = await _until_failure(sent, dict(zip(announce, self.clients)))
         if failure is None:
             return
@@ -258,6 +264,21 @@ def _with_last(items: Iterator) -> Iterator[tuple[object, bool]]:
 
 
 _END = object()
+
+
+def flattened(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bucket as one byte tensor, the tensors' bytes one after another in order: what SGLang receives with
+    `load_format="flattened_bucket"` (`FlattenedTensorBucket`, sglang/srt/weight_sync/tensor_bucket.py), in
+    one broadcast instead of one per tensor. None when a tensor would start at an offset that is not a
+    multiple of its element size (SGLang refuses those; mixed dtypes can cause it): then one per tensor."""
+    offset = 0
+    for t in tensors:
+        if offset % t.element_size():
+            return None
+        offset += t.numel() * t.element_size()
+    if len(tensors) < 2:
+        return None  # one tensor is one broadcast either way
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
 
 
 def _broadcast_all(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

@@ -3,8 +3,9 @@
 Sync: `WeightBroadcaster` (relax_core/weights/sync.py) pushes a model's weights
 into a real CPU engine server (a subprocess) over a gloo group, with SGLang's
 protocol: `/begin_weight_update`, per bucket `/update_weights_from_distributed`
-(names, dtypes, shapes) and one broadcast per tensor, which the engine
-receives into its parameters, then `/end_weight_update`. Raw: the same tensors, in the same order, broadcast to a plain
+(names, dtypes, shapes, `load_format: "flattened_bucket"`) and one broadcast of
+the bucket's bytes, which the engine takes apart into its parameters, then
+`/end_weight_update`. Raw: the same tensors, in the same order, broadcast to a plain
 receiver process over a gloo group of its own (no HTTP, no engine). Both on
 this machine over loopback.
 

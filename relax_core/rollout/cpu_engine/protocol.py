@@ -205,7 +205,7 @@ class UpdateWeightsFromDistributedReqInput(BaseModel):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-    load_format: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None  # SGLang also takes custom loaders; this engine not
 
     @field_validator("weight_version", mode="before")
     @classmethod

@@ -344,7 +344,8 @@ async def _update_weights(state: EngineState, obj: UpdateWeightsFromDistributedR
     if obj.abort_all_requests:
         await _on_scheduler(state, lambda b: b.abort())
     try:
-        await _on_scheduler(state, lambda b: state.loader.receive(group, obj.names, obj.dtypes, obj.shapes))
+        receive = state.loader.receive_flattened if obj.load_format == "flattened_bucket" else state.loader.receive
+        await _on_scheduler(state, lambda b: receive(group, obj.names, obj.dtypes, obj.shapes))
     except Exception as exc:  # noqa: BLE001
         return False, f"Failed to update parameter online: {exc}"
     return True, "Succeeded to update parameter online."

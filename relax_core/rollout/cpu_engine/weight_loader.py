@@ -2,7 +2,8 @@
 
 `/update_weights_from_distributed` lists names, dtypes and shapes; the trainer
 (rank 0 of the weight-update group, see `relax_core.weights.sync`) then
-broadcasts one tensor per name in that order. `WeightLoader.receive` posts the
+broadcasts one tensor per name in that order, or (`load_format:
+"flattened_bucket"`) the bucket's bytes as one tensor (`receive_flattened`). `WeightLoader.receive` posts the
 matching `torch.distributed.broadcast(src=0)` calls, exactly as SGLang's model
 runner does, and copies the tensors into the model. It runs on the scheduler
 thread (`Batcher.call`), so no forward pass sees half-updated weights.
@@ -31,6 +32,24 @@ class WeightLoader:
         trainer never hangs on an engine that rejects part of an update.
         """
         self.load([self._receive_one(group, *spec) for spec in zip(names, dtypes, shapes)])
+
+    def receive_flattened(self, group: dist.ProcessGroup, names: list[str], dtypes: list[str],
+                          shapes: list[list[int]]) -> None:
+        """`load_format="flattened_bucket"`: one broadcast of the bucket's bytes, the tensors one after another
+        in the order of `names` (SGLang 0.5.23's `FlattenedTensorBucket.empty` and `reconstruct_tensors`,
+        sglang/srt/weight_sync/tensor_bucket.py:86-137, which tests/sglang_real.py runs against the trainer)."""
+        specs, offset = [], 0
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            dtype_ = parse_dtype(dtype)
+            if offset % dtype_.itemsize:
+                raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype_}")
+            size = torch.Size(shape).numel() * dtype_.itemsize
+            specs.append((name, dtype_, shape, offset, size))
+            offset += size
+        flat = torch.empty(offset, dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=group)
+        self.load([(name, flat[start:start + size].view(dtype_).reshape(shape))
+                   for name, dtype_, shape, start, size in specs])
 
     def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by name (also those handed over by reference,
