@@ -189,6 +189,7 @@ class _Engine:
         self.groups: dict = {}  # group name -> process group (SGLang's `_model_update_group`)
         self.session = False
         self.received: dict = {}  # name -> the last tensor received under it
+        self.load_formats: list = []  # each update_weights_from_distributed's load_format, in order
         self.weight_version = "default"
 
     def init_weights_update_group(self, body: dict) -> tuple[bool, str]:
@@ -228,6 +229,7 @@ class _Engine:
         except Exception as exc:  # noqa: BLE001
             return False, f"Failed to receive weights: {exc}"
         self.received.update(weights)
+        self.load_formats.append(body.get("load_format"))
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
         return True, "Succeeded to update parameter online."
@@ -272,7 +274,8 @@ def serve(host: str, port: int) -> None:
     def received(body: dict) -> tuple[bool, str]:
         import torch
 
-        torch.save({"tensors": engine.received, "weight_version": engine.weight_version}, body["path"])
+        torch.save({"tensors": engine.received, "weight_version": engine.weight_version,
+                    "load_formats": engine.load_formats}, body["path"])
         return True, "saved"
 
     routes = {

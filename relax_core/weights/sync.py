@@ -14,8 +14,14 @@ engines are ranks 1..N, using SGLang's protocol:
     POST /end_weight_update
 
 Buckets bound the memory in flight and let the HTTP round trip of one bucket
-overlap the broadcasts; one collective per bucket, not per tensor, keeps
-small buckets near a raw broadcast's speed (tests/benchmarks/bench_weight_sync.py). Only the last bucket carries the new
+overlap the broadcasts. Over NCCL (SGLang on GPUs) a bucket goes as one byte
+tensor: one collective per bucket, not one kernel launch and one receiving
+Python call per tensor, and packing it costs a copy at the GPU memory's speed,
+a small fraction of the link's time. Over gloo (CPU engines) packing and
+taking apart cost two copies at about the speed of the transfer itself, while
+one broadcast per tensor lands straight in the engine's parameters and gloo
+pipelines them: there each tensor goes as it is (`flatten`; measured by
+tests/benchmarks/bench_weight_sync.py). Only the last bucket carries the new
 `weight_version`, so an engine reports the new version only once every
 tensor has arrived. When the set of engines changes (elastic rollout),
 `set_engines` tears the group down and builds a new one.
@@ -90,6 +96,7 @@ class WeightBroadcaster:
         backend: "gloo" (CPU engines) or "nccl" (SGLang on GPU).
         bucket_bytes: upper bound of one bucket (a larger tensor goes alone).
         ranks_per_engine: ranks each engine contributes (SGLang: its TP size).
+        flatten: send each bucket as one byte tensor (`load_format="flattened_bucket"`); None: over NCCL only.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class WeightBroadcaster:
         bucket_bytes: int = 512 << 20,
         ranks_per_engine: int = 1,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        flatten: bool | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError("bucket_bytes must be positive")
@@ -113,6 +121,7 @@ class WeightBroadcaster:
         self.bucket_bytes = bucket_bytes
         self.ranks_per_engine = ranks_per_engine
         self.timeout = timeout
+        self.flatten = backend == "nccl" if flatten is None else flatten
         self.group: dist.ProcessGroup | None = None
 
     @property
@@ -177,7 +186,7 @@ class WeightBroadcaster:
 
     async def _send_bucket(self, bucket: list[NamedTensor], weight_version: str | None) -> None:
         tensors = [self._on_device(t) for _, t in bucket]
-        flat = flattened(tensors)
+        flat = flattened(tensors) if self.flatten else None
         announce = [
             asyncio.ensure_future(
                 client.update_weights_from_distributed(

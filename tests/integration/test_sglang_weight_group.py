@@ -84,19 +84,21 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 
 
 
 def received(url: str, path: Path) -> dict:
-    """What the SGLang stand-in received so far: {"tensors": {name: tensor}, "weight_version": str}."""
+    """What the SGLang stand-in received so far: {"tensors": {name: tensor}, "weight_version": str,
+    "load_formats": [each update's load_format]}."""
     answer = httpx.post(f"{url}/received", json={"path": str(path)}, timeout=30).json()
     assert answer["success"], answer
     return torch.load(path)
 
 
 def some_tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
-    """Tensors of several dtypes and sizes; with 8 KiB buckets, three buckets."""
+    """Tensors of several dtypes and sizes; with 8 KiB buckets, three buckets: one tensor, two (the int64
+    first, so the bfloat16 after it starts aligned and the bucket can go flattened), one."""
     gen = torch.Generator().manual_seed(seed)
     return [
         ("model.a.weight", torch.randn(64, 32, generator=gen)),
-        ("model.b.bias", torch.randn(7, generator=gen).to(torch.bfloat16)),
         ("model.c.index", torch.randint(0, 1000, (5, 3), generator=gen)),
+        ("model.b.bias", torch.randn(7, generator=gen).to(torch.bfloat16)),
         ("model.d.weight", torch.randn(4096, generator=gen)),
     ]
 
@@ -125,14 +127,17 @@ def client_of(url: str, api_key: str | None = None) -> EngineClient:
 
 
 def broadcaster(clients: list[EngineClient], group_name: str, **kwargs) -> WeightBroadcaster:
+    """Over gloo, each bucket flattened as the trainer sends it to SGLang over NCCL (unless `flatten=False`)."""
     return WeightBroadcaster(clients, HOST, group_name=group_name, backend="gloo", bucket_bytes=8 << 10,
-                             timeout=kwargs.pop("timeout", GROUP_TIMEOUT), **kwargs)
+                             timeout=kwargs.pop("timeout", GROUP_TIMEOUT), flatten=kwargs.pop("flatten", True),
+                             **kwargs)
 
 
-def test_sglangs_own_group_function_joins_the_trainers_group(sglang_engine, tmp_path):
+@pytest.mark.parametrize("flatten", [True, False], ids=["flattened-bucket", "per-tensor"])
+def test_sglangs_own_group_function_joins_the_trainers_group(sglang_engine, tmp_path, flatten):
     async def main():
         async with client_of(sglang_engine) as sglang:
-            sync = broadcaster([sglang], "relax_sglang_1")
+            sync = broadcaster([sglang], f"relax_sglang_1_{int(flatten)}", flatten=flatten)
             await sync.init()
             try:
                 stats = await sync.broadcast(some_tensors(1), version=7)
@@ -144,6 +149,7 @@ def test_sglangs_own_group_function_joins_the_trainers_group(sglang_engine, tmp_
     assert stats.num_buckets == 3
     got = received(sglang_engine, tmp_path / "received.pt")
     assert got["weight_version"] == "7"
+    assert got["load_formats"][-3:] == [None, "flattened_bucket" if flatten else None, None]  # one tensor: as it is
     for name, tensor in some_tensors(1):
         assert got["tensors"][name].dtype == tensor.dtype and torch.equal(got["tensors"][name], tensor), name
 
