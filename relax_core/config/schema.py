@@ -332,6 +332,12 @@ class TrainCommon(Section):
     """Seed of the trainer's random state and of the per-sample sampling seeds."""
     weight_sync_bucket_mb: float = Field(512.0, gt=0.0)
     """Size of one weight-sync bucket (MiB): tensors are broadcast to the engines bucket by bucket."""
+    max_tokens_per_gpu: int | None = Field(None, ge=1)
+    """Token budget of one micro-batch on one rank: samples (at most `micro_batch_size`) are packed one
+    after another into one row, without padding, up to this many prompt+response tokens (a longer
+    sample goes alone). Null: padded micro-batches of `micro_batch_size` samples. Micro-batches with
+    images, video or audio are always padded (torch backend). Megatron: the packed row is megatron-core's
+    THD layout, each sample attended by itself."""
 
 
 class TorchTrainConfig(TrainCommon):
@@ -348,11 +354,6 @@ class TorchTrainConfig(TrainCommon):
     recompute_activations: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, about a third more
     compute."""
-    max_tokens_per_gpu: int | None = Field(None, ge=1)
-    """Token budget of one micro-batch on one rank: samples (at most `micro_batch_size`) are packed one
-    after another into one row, without padding, up to this many prompt+response tokens (a longer
-    sample goes alone). Null: padded micro-batches of `micro_batch_size` samples. Micro-batches with
-    images, video or audio are always padded."""
     freeze_vision: bool = False
     """Keep the vision encoder (and its merger into the language model) at its initial weights: it gets no
     gradient, no optimizer state and is not resent to the engines (vision-language and omni models)."""

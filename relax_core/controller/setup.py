@@ -135,6 +135,7 @@ def trainer_config(recipe: Recipe):
         reference_service=reference_service(recipe),
         kl_estimator=algo.kl.estimator, tis_cap=algo.effective_tis_cap(recipe.mode), seed=train.seed,
         dtype=recipe.model.dtype, trust_remote_code=trust_remote_code(recipe), samples_per_step=recipe.samples_per_step,
+        max_tokens_per_micro_batch=train.max_tokens_per_gpu,
         **_teacher(algo), **_critic(algo), **_torch_backend(recipe), **_megatron_backend(recipe),
     )
 
@@ -168,7 +169,6 @@ def _torch_backend(recipe: Recipe) -> dict:
     gpus = recipe.cluster.train.gpus_per_node > 0
     return {"device": "cuda" if gpus else "cpu", "fsdp": train.fsdp if train.fsdp is not None else gpus,
             "recompute_activations": train.recompute_activations,
-            "max_tokens_per_micro_batch": train.max_tokens_per_gpu,
             "freeze_vision": train.freeze_vision, "freeze_audio": train.freeze_audio}
 
 

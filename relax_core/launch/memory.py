@@ -13,8 +13,8 @@ over the ranks; megatron: compute-dtype weights and float32 gradients per tensor
 master weights and Adam's moments sharded over data-parallel ranks with the distributed optimizer),
 activations of one micro-batch at the recipe's token budget (each decoder layer's saved tensors per token,
 or only its input with recompute, plus one layer's whole), the loss head (the chunked head's float32
-chunk, `train/loss_head.py`; megatron's output layer also keeps each rank's vocabulary slice of every
-token's logits, and its gradient), the critic's and the reference model's share, and a fixed
+chunk, `train/loss_head.py`, in both backends inside the output layer; megatron's in bf16 also sums its
+weight's gradient in float32), the critic's and the reference model's share, and a fixed
 allowance for the CUDA context, NCCL and allocator slack. In colocate the engines release their memory
 while the trainer trains (`enable_memory_saver`); what SGLang keeps then (its CUDA context and graphs)
 is in the allowance.
@@ -22,7 +22,8 @@ is in the allowance.
 Per-token activation bytes of one decoder layer, in the compute dtype's `c` bytes, are those of the
 tensors autograd saves: c * (6h + 2q + 2kv + 4i) for hidden size h, query width q (heads x head_dim),
 key/value width kv and MLP width i (a MoE layer: the routed experts' widths times top-k, plus the shared
-expert's), with flash or per-sample attention (no T x T scores); Korthikanti et al., "Reducing Activation
+expert's), with flash or per-sample attention in both backends (no T x T scores: `train/varlen.py`,
+`train/megatron/attention.py`); Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (2022), count 34h for GPT's 4h MLP the same way. Estimates
 err high: the plan is there to refuse what cannot fit, not to fill the last gigabyte.
 """
@@ -136,7 +137,7 @@ def tokens_per_micro_batch(recipe: Recipe) -> int:
     samples of the longest prompt and response."""
     train, ro = recipe.train, recipe.rollout
     longest = ro.max_prompt_len + ro.max_new_tokens
-    budget = getattr(train, "max_tokens_per_gpu", None)
+    budget = train.max_tokens_per_gpu
     return max(budget, longest) if budget else train.micro_batch_size * longest
 
 
@@ -146,7 +147,7 @@ def trainer_plan(recipe: Recipe, shape: Shape) -> list[Item]:
     c = DTYPE_BYTES[recipe.model.dtype]
     ranks = recipe.train_ranks
     tokens = tokens_per_micro_batch(recipe)
-    packed = getattr(train, "max_tokens_per_gpu", None)
+    packed = train.max_tokens_per_gpu
     responses = tokens if packed else train.micro_batch_size * recipe.rollout.max_new_tokens
     p = shape.params
     items: list[Item] = []
@@ -163,12 +164,11 @@ def trainer_plan(recipe: Recipe, shape: Shape) -> list[Item]:
         per_token_layer = c * (6 * shape.hidden + (2 * shape.query + 2 * shape.kv + 4 * shape.mlp) / tp)
         items.append(_activations(recipe, per_token_layer, layers, tokens, c, shape.hidden,
                                   f"{c} B x (6h + (2q + 2kv + 4i) / TP {tp})"))
-        items.append(_local_attention(recipe, shape, layers, c))
-        items.append(Item("logits", 2 * c * tokens * shape.vocab / tp,
-                          f"this rank's vocabulary slice and its gradient 2 x {c} B x {_n(tokens)} tokens x "
-                          f"{_n(shape.vocab)} / TP {tp}"))
-        items.append(Item("loss head", 3 * HEAD_CHUNK_BYTES, f"3 x {HEAD_CHUNK_BYTES // 1024**2} MiB float32 chunk "
-                          "(vocabulary-parallel, train/loss_head.py)"))
+        accumulator = 4 * shape.vocab * shape.hidden / tp if c < 4 else 0
+        items.append(Item("loss head", 3 * HEAD_CHUNK_BYTES + accumulator,
+                          f"3 x {HEAD_CHUNK_BYTES // 1024**2} MiB float32 chunk (vocabulary-parallel inside the "
+                          f"output layer, train/loss_head.py)" + (f" + the output layer's float32 gradient 4 B x "
+                          f"{_n(shape.vocab)} x {shape.hidden} / TP {tp}" if accumulator else "")))
     else:
         fsdp = train.fsdp if train.fsdp is not None else recipe.cluster.train.gpus_per_node > 0
         shards = ranks if fsdp else 1
@@ -190,19 +190,6 @@ def trainer_plan(recipe: Recipe, shape: Shape) -> list[Item]:
     items += _companions(recipe, shape, c, ranks)
     items.append(Item("runtime", RUNTIME_GIB * GIB, "CUDA context, NCCL, allocator slack (and a sleeping engine's)"))
     return items
-
-
-def _local_attention(recipe: Recipe, shape: Shape, layers: int, c: int) -> Item:
-    """Megatron's local layer spec (the one Relax builds: Transformer Engine's is not used yet) attends with
-    `DotProductAttention`: `[B, heads / TP, L, L]` scores and their softmax kept for the backward, per layer
-    (one layer with recompute), beside a `[B, 1, L, L]` mask; no flash attention."""
-    train, ro = recipe.train, recipe.rollout
-    length, batch = ro.max_prompt_len + ro.max_new_tokens, train.micro_batch_size
-    heads = shape.heads // train.tensor_parallel
-    kept = 1 if train.recompute_activations else layers
-    total = kept * batch * heads * length**2 * 2 * c + batch * length**2
-    return Item("attention", total, f"local spec, no flash: {kept} layer(s) x {batch} x {heads} heads per TP rank x "
-                f"{_n(length)}^2 x 2 x {c} B (scores, softmax) + the mask")
 
 
 def _activations(recipe: Recipe, per_token_layer: float, layers: int, tokens: int, c: int, hidden: int,
@@ -333,11 +320,11 @@ def _advice(recipe: Recipe) -> str:
     train, tips = recipe.train, []
     if not train.recompute_activations:
         tips.append("train.recompute_activations: true")
-    if train.backend == "torch" and train.max_tokens_per_gpu:
+    if train.max_tokens_per_gpu:
         tips.append("a smaller train.max_tokens_per_gpu")
     elif train.micro_batch_size > 1:
         tips.append("a smaller train.micro_batch_size")
-    if train.backend == "torch" and not train.max_tokens_per_gpu:
+    if not train.max_tokens_per_gpu:
         tips.append("train.max_tokens_per_gpu (pack micro-batches to a token budget)")
     if train.backend == "megatron":
         tips.append("a larger train.tensor_parallel or train.distributed_optimizer: true")

@@ -177,82 +177,86 @@ def fused_forward(model: torch.nn.Module, head: torch.nn.Linear, inputs: dict, m
     return result.logp, result.entropy
 
 
-class VocabParallelLogprob(torch.autograd.Function):
-    """`ChunkedLogprob` for logits split by vocabulary over a tensor-parallel group (megatron-core's output
-    layer gives each rank `[N, V/TP]`): the log-softmax's max, sum and target logit are reduced over
-    `group` per chunk of tokens, so no rank gathers the vocabulary, and the float32 copy is one chunk's.
-    Columns at and past `vocab_end` (megatron pads the vocabulary to a multiple of its TP size) are left
-    out, as the unpadded model has no such tokens. The backward recomputes each chunk's softmax from the
-    saved slice and log-sum-exp: `d logp_i / d logit_ij = [j == target_i] - softmax_ij`, on this rank's
-    columns only (megatron's `vocab_parallel_cross_entropy` differentiates the same way)."""
+class VocabParallelHead(torch.autograd.Function):
+    """`ChunkedLogprob` for an output layer split by vocabulary over a tensor-parallel group (megatron-core's
+    `ColumnParallelLinear`: each rank holds `[V/TP, H]` of the weight): per chunk of tokens this rank's
+    slice of the logits is made from the hidden states, and the log-softmax's max, sum and target logit are
+    reduced over `group`, so no rank holds `[tokens x V/TP]` logits or gathers the vocabulary; what is kept
+    for the backward is the hidden states and each token's log-sum-exp. Rows at and past `vocab_end` of the
+    weight (megatron pads the vocabulary to a multiple of its TP size) are left out, as the unpadded model
+    has no such tokens, and get no gradient. The backward recomputes each chunk's logits: `d logp_i /
+    d logit_ij = [j == target_i] - softmax_ij` on this rank's columns (megatron's
+    `vocab_parallel_cross_entropy` differentiates the same way); the hidden states' gradient is this rank's
+    part, which the caller sums over the group (`copy_to_tensor_model_parallel_region`, as
+    `ColumnParallelLinear` does), and a half-precision weight's gradient is summed over the chunks in
+    float32."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start: int, vocab_end: int, group, chunk: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, targets, vocab_start: int, vocab_end: int, group, chunk: int,
+                with_entropy: bool):
         import torch.distributed as dist
 
-        n, width = logits.shape
-        real = max(0, min(width, vocab_end - vocab_start))  # this rank's columns that are real tokens
+        n = hidden.shape[0]
+        real = max(0, min(weight.shape[0], vocab_end - vocab_start))  # this rank's rows that are real tokens
         local = targets - vocab_start
         mine = (local >= 0) & (local < real)
         index = torch.where(mine, local, torch.zeros_like(local)).unsqueeze(-1)
-        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
-            x = logits[rows, :real].to(torch.float32, copy=True)  # worked on in place below
+            x = F.linear(hidden[rows], weight[:real]).float()
             top = x.max(dim=-1).values if real else x.new_full((x.shape[0],), -torch.inf)
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
             x -= top.unsqueeze(-1)
-            # a rank whose columns are all padding (a small vocabulary over many ranks) adds nothing
+            # a rank whose rows are all padding (a small vocabulary over many ranks) adds nothing
             target = torch.where(mine[rows], x.gather(-1, index[rows]).squeeze(-1), 0.0) if real else top * 0
+            shifted = x.clone() if with_entropy else None
             x.exp_()
             sums = torch.stack([x.sum(-1), target])
             dist.all_reduce(sums, group=group)
             lse[rows] = top + sums[0].log()
             logp[rows] = sums[1] - sums[0].log()
             if with_entropy:  # H = log Z - sum p (logit - max): the shifted logits, summed over ranks
-                weighted = (x * (logits[rows, :real].float() - top.unsqueeze(-1))).sum(-1) / sums[0]
+                weighted = (x * shifted).sum(-1) / sums[0]
                 dist.all_reduce(weighted, group=group)
                 entropy[rows] = sums[0].log() - weighted
-            del x
-        ctx.save_for_backward(logits, lse, index, mine)
+            del x, shifted
+        ctx.save_for_backward(hidden, weight, lse, index, mine)
         ctx.chunk, ctx.real = chunk, real
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
-        logits, lse, index, mine = ctx.saved_tensors
-        grad = torch.zeros_like(logits)
-        for start in range(0, logits.shape[0], ctx.chunk):
+        hidden, weight, lse, index, mine = ctx.saved_tensors
+        real = ctx.real
+        grad_hidden = torch.zeros_like(hidden)
+        accumulate = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
             g = grad_logp[rows].float().unsqueeze(-1)
-            if not ctx.real:
-                break
-            part = torch.exp(logits[rows, :ctx.real].float() - lse[rows].unsqueeze(-1)).mul_(-g)
+            if not real or not g.any():
+                continue
+            h = hidden[rows]
+            part = torch.exp(F.linear(h, weight[:real]).float() - lse[rows].unsqueeze(-1)).mul_(-g)
             part.scatter_add_(-1, index[rows], g * mine[rows].unsqueeze(-1))
-            grad[rows, :ctx.real] = part.to(grad.dtype)
-        return grad, None, None, None, None, None, None
+            part = part.to(weight.dtype)
+            grad_hidden[rows] = part @ weight[:real]
+            grad_weight[:real].add_((part.t() @ h).to(accumulate))
+            del part
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, vocab_end: int,
-                            group, with_entropy: bool = False, chunk: int | None = None):
-    """`[N]` log-probs of `targets` from this rank's `[N, V/TP]` slice of the logits (its columns are the
-    tokens from `vocab_start`; the real vocabulary ends at `vocab_end`), and their entropy."""
-    chunk = chunk or chunk_tokens(logits.shape[-1])
-    logp, entropy = VocabParallelLogprob.apply(logits, targets, vocab_start, vocab_end, group, chunk, with_entropy)
+def vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                            vocab_start: int, vocab_end: int, group, with_entropy: bool = False,
+                            chunk: int | None = None):
+    """`[N]` log-probs of `targets` under the output layer whose `[V/TP, H]` slice this rank holds (its rows
+    are the tokens from `vocab_start`; the real vocabulary ends at `vocab_end`), for `[N, H]` hidden
+    states, and their entropy. The hidden states' gradient is this rank's part (see `VocabParallelHead`)."""
+    chunk = chunk or chunk_tokens(weight.shape[0])
+    logp, entropy = VocabParallelHead.apply(hidden, weight, targets, vocab_start, vocab_end, group, chunk,
+                                            with_entropy)
     return logp, (entropy if with_entropy else None)
-
-
-def vocab_parallel_response_logprobs(logits: torch.Tensor, mb, *, vocab_size: int, group, rank: int,
-                                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`[B, R]` log-probs (and entropy) of `mb`'s response tokens from this TP rank's `[B, L, V/TP]` logits:
-    `batching.response_logprobs` for a vocabulary split over `group`, this rank holding its `rank`-th
-    slice."""
-    rows = ResponseRows(mb.logit_index, mb.valid, mb.packed)
-    width = logits.shape[-1]
-    logp, entropy = vocab_parallel_logprobs(rows(logits), mb.response_ids[mb.valid], vocab_start=rank * width,
-                                            vocab_end=vocab_size, group=group, with_entropy=with_entropy)
-    shape = tuple(mb.valid.shape)
-    return _scatter(logp, shape, mb.valid), (_scatter(entropy, shape, mb.valid) if entropy is not None else None)

@@ -1,12 +1,13 @@
-"""One training step of the torch backend at long responses: peak memory and tokens per second.
+"""One training step of each backend at long responses: peak memory and tokens per second.
 
 For each response length (`--tokens`, 2k, 8k and 16k by default) a fresh process builds a narrow Qwen3
 with a real vocabulary (151,936 tokens, Qwen3's; hidden 64 and 2 layers by default, so the output layer
 and the loss head weigh as in a real model while the layers stay cheap on a CPU), loads it with
-`TorchTrainer` and times one `train_step` on one micro-batch of `--samples` samples whose responses add
-up to that length (random tokens, advantages +-1), after one warm-up step at 64 tokens that makes the
-optimizer state. Measured apart, with the same hidden states, the loss head alone: the response tokens'
-log-probs (and entropy) of the model's output layer, forward and backward.
+`TorchTrainer` (`--backend megatron`: `MegatronTrainer`, one rank, megatron-core's layers) and times one
+`train_step` on one micro-batch of `--samples` samples whose responses add up to that length (random
+tokens, advantages +-1), after one warm-up step at 64 tokens that makes the optimizer state. Measured
+apart (torch backend), with the same hidden states, the loss head alone: the response tokens' log-probs
+(and entropy) of the model's output layer, forward and backward.
 
 Memory on the CPU is the process's peak resident set above what it held before the step (Linux's VmHWM,
 reset through /proc/self/clear_refs): glibc gives blocks this large back to the system when torch frees
@@ -26,8 +27,9 @@ The last line is one JSON object: per length, step_s, tokens_per_s, step_peak_mi
 (and the differences with `--compare`), and the growth of the step's peak from the shortest length to
 the longest. Minutes; not part of the tests.
 
-    python3 tests/benchmarks/bench_train.py [--tokens 2048,8192,16384] [--samples 4] [--packed]
-        [--compare] [--head-only] [--vocab 151936] [--hidden 64] [--layers 2] [--device cpu] [--dtype float32]
+    python3 tests/benchmarks/bench_train.py [--backend torch|megatron] [--tokens 2048,8192,16384] [--samples 4]
+        [--packed] [--compare] [--head-only] [--vocab 151936] [--hidden 64] [--layers 2]
+        [--device cpu] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ MIB = 1024**2
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="2048,8192,16384", help="response tokens of the micro-batch, comma-separated")
+    p.add_argument("--backend", choices=("torch", "megatron"), default="torch")
     p.add_argument("--samples", type=int, default=4, help="samples the response tokens are split over")
     p.add_argument("--packed", action="store_true", help="pack the micro-batch into one row (train.max_tokens_per_gpu)")
     p.add_argument("--vocab", type=int, default=151_936)
@@ -63,7 +66,10 @@ def parse(argv=None) -> argparse.Namespace:
                         "padded, unchunked one's (whose [tokens x vocabulary] logits would not fit at the longest)")
     p.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child: this length only
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.backend == "megatron" and (args.head_only or args.compare):
+        p.error("--head-only and --compare measure the torch backend's loss head; drop them with --backend megatron")
+    return args
 
 
 # ------------------------------------------------------------------ memory
@@ -135,9 +141,16 @@ def one_length(args) -> dict:
     from relax_core.train.torch_backend import TorchTrainer
 
     tokens = args.one
-    trainer = TorchTrainer(args.model_dir, TorchTrainerConfig(
+    config = TorchTrainerConfig(
         lr=1e-6, micro_batch_size=args.samples, device=args.device, dtype=args.dtype, grad_clip=1.0,
-        max_tokens_per_micro_batch=(tokens + args.samples * args.prompt) if args.packed else None))
+        max_tokens_per_micro_batch=(tokens + args.samples * args.prompt) if args.packed else None)
+    if args.backend == "megatron":
+        from relax_core.train.megatron.model import Parallel
+        from relax_core.train.megatron.trainer import MegatronTrainer
+
+        trainer = MegatronTrainer(args.model_dir, config, Parallel())
+    else:
+        trainer = TorchTrainer(args.model_dir, config)
     advantages = lambda batch: [1.0 if i % 2 else -1.0 for i in range(len(batch))]  # noqa: E731
     warm = samples_of(64, args, seed=1)
     trainer.train_step(warm, advantages(warm))
@@ -155,10 +168,12 @@ def one_length(args) -> dict:
     step_s = time.perf_counter() - start
     step_peak = peak.mib()
 
-    head, head_s, head_peak = _head_alone(trainer, batch, peak)
     row = {"tokens": tokens, "step_s": round(step_s, 3), "tokens_per_s": round(tokens / step_s, 1),
-           "step_peak_mib": round(step_peak, 1), "head": head, "head_s": round(head_s, 3),
-           "head_peak_mib": round(head_peak, 1)}
+           "step_peak_mib": round(step_peak, 1)}
+    if args.backend == "megatron":
+        return row
+    head, head_s, head_peak = _head_alone(trainer, batch, peak)
+    row.update({"head": head, "head_s": round(head_s, 3), "head_peak_mib": round(head_peak, 1)})
     if args.compare and tokens == min(int(t) for t in args.tokens.split(",")):
         row.update(_compare(trainer.model, batch, args.device))
     return row
@@ -245,13 +260,14 @@ def main(argv=None) -> None:
                 print(f"{tokens:>6} tokens  head ({row['head']}) {row['head_peak_mib']:8.1f} MiB {row['head_s']:.3f} s",
                       flush=True)
                 continue
+            head = (f"  head ({row['head']}) {row['head_peak_mib']:8.1f} MiB {row['head_s']:.3f} s"
+                    if "head" in row else "")
             print(f"{tokens:>6} tokens  step {row['step_s']:7.3f} s  {row['tokens_per_s']:8.1f} tok/s  "
-                  f"step peak {row['step_peak_mib']:8.1f} MiB  head ({row['head']}) {row['head_peak_mib']:8.1f} MiB "
-                  f"{row['head_s']:.3f} s", flush=True)
+                  f"step peak {row['step_peak_mib']:8.1f} MiB{head}", flush=True)
     steps = [r["step_peak_mib"] for r in results if "step_peak_mib" in r]
     growth = steps[-1] / max(steps[0], 1e-9) if steps else None
-    print(json.dumps({"device": args.device, "vocab": args.vocab, "hidden": args.hidden, "layers": args.layers,
-                      "samples": args.samples, "packed": args.packed, "dtype": args.dtype,
+    print(json.dumps({"backend": args.backend, "device": args.device, "vocab": args.vocab, "hidden": args.hidden,
+                      "layers": args.layers, "samples": args.samples, "packed": args.packed, "dtype": args.dtype,
                       "lengths": results, "step_peak_growth": growth and round(growth, 2)}))
 
 

@@ -57,7 +57,8 @@ def trainer_config(args: dict):
     return TorchTrainerConfig(lr=args.get("lr", 1e-3), micro_batch_size=3, num_threads=1,
                               algorithm=args.get("algorithm", "grpo"), num_mini_batches=args.get("minis", 1),
                               recompute_activations=bool(args.get("recompute")), dtype=args.get("dtype", "float32"),
-                              device=args.get("device", "cpu"), weight_decay=args.get("weight_decay", 0.0), **extra)
+                              device=args.get("device", "cpu"), weight_decay=args.get("weight_decay", 0.0),
+                              max_tokens_per_micro_batch=args.get("max_tokens"), **extra)
 
 
 def build(args: dict, layout: dict | None = None):
@@ -101,12 +102,17 @@ def role_step(rank: int, world: int, args: dict) -> None:
     trainer = build(args)
     calls = [0]
     layer = trainer.module.decoder.layers[0] if hasattr(trainer.module, "decoder") else None
+    thd = [0]  # attention calls on a packed row (megatron-core's THD layout)
     if layer is not None:
         layer.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        layer.self_attention.core_attention.register_forward_pre_hook(
+            lambda _m, _a, kw: thd.__setitem__(0, thd[0] + (kw.get("packed_seq_params") is not None)),
+            with_kwargs=True)
     metrics = [trainer.train_step(my_shard(samples(), rank, world)) for _ in range(args.get("steps", 1))]
     weights = dict(trainer.named_parameters_for_sync())
     if rank == 0:
-        torch.save({"metrics": metrics, "weights": weights, "layer_calls": calls[0]}, args["out"])
+        torch.save({"metrics": metrics, "weights": weights, "layer_calls": calls[0], "thd_calls": thd[0]},
+                   args["out"])
 
 
 def role_placed(rank: int, world: int, args: dict) -> None:
@@ -123,8 +129,12 @@ def role_placed(rank: int, world: int, args: dict) -> None:
     rows = my_shard(samples(), rank, world)
     ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9], [5, 6, 7, 3, 10, 0, 0]])
     mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     placed = SimDevice(accelerator_collectives=True) if args["device"] == "meta" else contextlib.nullcontext()
-    with placed:
+    # SDPA on the simulated device (`meta`) has only its math kernel; the CPU run takes the same, so the two
+    # runs compare bit for bit (which kernel runs is not what this role checks: where each tensor is).
+    with placed, sdpa_kernel(SDPBackend.MATH):
         trainer = build(args)
         before = {name: t.to("cpu", copy=True) for name, t in trainer.named_parameters_for_sync()}
         metrics = trainer.train_step(rows)

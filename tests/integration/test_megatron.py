@@ -69,7 +69,7 @@ def torch_step(model: Path, **config) -> dict:
     from relax_core.train.torch_backend import TorchTrainer
 
     torch.manual_seed(0)
-    trainer = TorchTrainer(model, trainer_config(config))
+    trainer = TorchTrainer(model, trainer_config({k: v for k, v in config.items() if k != "max_tokens"}))  # padded
     metrics = [trainer.train_step(samples()) for _ in range(config.get("steps", 1))]
     return {"metrics": metrics, "weights": dict(trainer.named_parameters_for_sync())}
 
@@ -88,10 +88,12 @@ STEP_FULL = pytest.mark.full(covered_by="tests/integration/test_megatron.py::tes
 @pytest.mark.parametrize(("kind", "layout", "world", "extra"), [
     ("dense", {}, 1, {"recompute": True}),
     ("dense", {"tp": 2}, 2, {"steps": 2, "minis": 2, "algorithm": "dapo"}),
+    ("dense", {"tp": 2}, 2, {"max_tokens": 16}),
     pytest.param("dense", {"pp": 2}, 2, {}, marks=STEP_FULL),
     pytest.param("dense", {"distopt": True}, 2, {}, marks=STEP_FULL),
     pytest.param("moe", {"ep": 2}, 2, {}, marks=STEP_FULL),
-], ids=["tp1-recompute", "tp2-dapo-2-steps-of-2-minibatches", "pp2", "dp2-distributed-optimizer", "moe-ep2"])
+], ids=["tp1-recompute", "tp2-dapo-2-steps-of-2-minibatches", "tp2-packed-thd", "pp2", "dp2-distributed-optimizer",
+        "moe-ep2"])
 def test_one_step_gives_the_torch_backends_loss_and_weights(request, tmp_path, kind, layout, world, extra):
     model = request.getfixturevalue(kind)
     mine = torch.load(ranks("step", tmp_path, world, model=str(model), parallel=layout, **extra))
@@ -113,6 +115,8 @@ def test_one_step_gives_the_torch_backends_loss_and_weights(request, tmp_path, k
         assert max((weights[n] - start[n]).abs().max() for n in start) >= 5e-4
     if extra.get("recompute"):  # 8 samples in micro-batches of 3: 3 forwards, each run again in the backward
         assert mine["layer_calls"] == 2 * 3
+    # packed: every attention call on a THD row (the reference above trained on padded micro-batches)
+    assert (mine["thd_calls"] == mine["layer_calls"] > 0) if extra.get("max_tokens") else mine["thd_calls"] == 0
 
 
 def test_ppo_trains_its_critic_beside_the_megatron_policy(dense, tmp_path):

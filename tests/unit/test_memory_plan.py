@@ -10,7 +10,7 @@ import pytest
 from relax_runs import relax
 
 from relax_core.config import load_recipe
-from relax_core.launch.memory import GIB, memory_lines, memory_problems, shape_of, trainer_plan
+from relax_core.launch.memory import GIB, memory_lines, memory_problems, shape_of, tokens_per_micro_batch, trainer_plan
 
 REPO = Path(__file__).resolve().parents[2]
 MEGATRON = REPO / "recipes" / "math_dapo_qwen3_4b.yaml"
@@ -71,11 +71,13 @@ def test_each_training_knob_moves_the_plan(qwen3_4b):
     assert no_dist["optimizer"] == pytest.approx(4 * tp2["optimizer"])  # 4 data-parallel ranks
     one = plan(MEGATRON, qwen3_4b, "train.micro_batch_size=1")
     four = plan(MEGATRON, qwen3_4b, "train.micro_batch_size=4")
-    assert one["logits"] == pytest.approx(four["logits"] / 4)
-    assert tp4["logits"] == pytest.approx(tp2["logits"] / 2)  # each rank keeps its vocabulary slice
-    assert one["loss head"] == tp2["loss head"] < 1.0  # GiB: chunks of tokens, never tokens x vocabulary
-    every_layer = plan(MEGATRON, qwen3_4b, "train.recompute_activations=false")
-    assert every_layer["attention"] > 30 * tp2["attention"]  # the local spec keeps every layer's scores
+    assert "logits" not in four  # made a chunk at a time inside the output layer, never [tokens x V/TP]
+    assert one["loss head"] == four["loss head"] > tp4["loss head"]  # chunks of tokens; the weight's share / TP
+    assert tp4["loss head"] < tp2["loss head"] < 1.5  # GiB
+    assert "attention" not in tp2  # SDPA, sample by sample: no [L x L] scores (train/megatron/attention.py)
+    padded_tokens = tokens_per_micro_batch(load_recipe(MEGATRON, [f"model.path={qwen3_4b}"]))
+    packed = plan(MEGATRON, qwen3_4b, f"train.max_tokens_per_gpu={2 * padded_tokens}")
+    assert packed["activations"] == pytest.approx(2 * tp2["activations"], rel=0.01)  # the budget reaches megatron
 
 
 @pytest.mark.parametrize("recipe_file", [MEGATRON, FSDP])

@@ -16,6 +16,8 @@ metric of the torch backend) runs unchanged on a Megatron model:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import torch
@@ -33,6 +35,37 @@ def attention_mask_(attention: torch.Tensor | None, position_ids: torch.Tensor) 
         keys = attention.bool().unsqueeze(1)  # [B, 1, L]
         allowed = causal.unsqueeze(0) & keys  # right padding: every query still sees position 0
     return (~allowed).unsqueeze(1)
+
+
+def attention_inputs(mb) -> tuple[torch.Tensor | None, object | None]:
+    """(attention mask, packed-sequence parameters) of a micro-batch for `GPTModel.forward`, attended by
+    `attention.SegmentAttention`: a packed row as megatron-core's THD layout (`PackedSeqParams`, where
+    each sample starts from its position ids going back to 0); right-padded rows with no mask (causal
+    attention never shows a real token the padding after it); otherwise Megatron's `[B, 1, L, L]` mask."""
+    if mb.attention_mask is None and mb.input_ids.shape[0] == 1:
+        return None, packed_seq_params(mb.position_ids[0])
+    if mb.attention_mask is None or right_padded(mb.attention_mask):
+        return None, None
+    return attention_mask_(mb.attention_mask, mb.position_ids), None
+
+
+def right_padded(attention: torch.Tensor) -> bool:
+    """Every row's real tokens first, then only padding."""
+    keep = attention.bool()
+    return bool((keep[:, 1:] <= keep[:, :-1]).all())
+
+
+def packed_seq_params(positions: torch.Tensor):
+    """megatron-core's `PackedSeqParams` (THD) of one packed row whose position ids restart at 0 with each
+    sample."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    starts = torch.nonzero(positions == 0).flatten()
+    ends = torch.cat([starts[1:], torch.tensor([positions.numel()], device=positions.device)])
+    cu = torch.cat([starts[:1], ends]).to(torch.int32)
+    longest = int((ends - starts).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 class CausalLM(torch.nn.Module):
@@ -61,3 +94,50 @@ def full_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     from megatron.core import tensor_parallel
 
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., :vocab_size]
+
+
+class HeadResult(SimpleNamespace):
+    """What `response_head` computed during one forward: `[B, R]` log-probs and entropy (None without it),
+    or both None on a stage without the output layer."""
+
+    logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+@contextlib.contextmanager
+def response_head(model: torch.nn.Module, mb, *, vocab_size: int, with_entropy: bool) -> Iterator[HeadResult]:
+    """While inside, the (last-stage) model's output layer computes the log-probs and entropy of `mb`'s
+    response tokens from its hidden states, vocabulary-parallel and in chunks of tokens
+    (`loss_head.VocabParallelHead`), into the result, in place of the logits: no rank holds `[tokens x
+    V/TP]` logits, and neither prompt nor padding positions go through it. The model's own output is then
+    a placeholder to ignore. A stage without the output layer (pipeline parallelism) runs as it is."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from relax_core.train.loss_head import ResponseRows, _scatter, vocab_parallel_logprobs
+
+    result = HeadResult()
+    if not get_attr_wrapped_model(model, "post_process"):
+        yield result
+        return
+    layer = get_attr_wrapped_model(model, "output_layer")
+    rows = ResponseRows(mb.logit_index, mb.valid, mb.packed)
+    group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
+
+    def forward(hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        weight = layer.weight if weight is None else weight  # tied embeddings: the embedding's
+        picked = copy_to_tensor_model_parallel_region(rows(hidden.transpose(0, 1)))  # [s, b, h] -> [N, h]
+        logp, entropy = vocab_parallel_logprobs(picked, weight, mb.response_ids[mb.valid],
+                                                vocab_start=rank * weight.shape[0], vocab_end=vocab_size,
+                                                group=group, with_entropy=with_entropy)
+        shape = tuple(mb.valid.shape)
+        result.logp = _scatter(logp, shape, mb.valid)
+        result.entropy = _scatter(entropy, shape, mb.valid) if entropy is not None else None
+        return hidden.new_zeros(hidden.shape[0], hidden.shape[1], 1), None
+
+    layer.forward = forward  # an instance attribute: nn.Module.__call__ looks it up before the class's
+    try:
+        yield result
+    finally:
+        del layer.forward

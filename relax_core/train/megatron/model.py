@@ -4,7 +4,8 @@
 parallel sizes; `build_model` builds this rank's pipeline stage with
 megatron-core's own modules (the "local" layer spec: no Transformer Engine,
 so the same model runs on CPU and GPU and its parameter names are those of
-Megatron-LM's `--transformer-impl local`). Dropout is off: the trainer's
+Megatron-LM's `--transformer-impl local`), attending with torch's SDPA
+(attention.py). Dropout is off: the trainer's
 log-probs must equal the engines'.
 
 What the HF config may say and what is refused (`unsupported`, exit 2 at
@@ -146,10 +147,16 @@ def transformer_config(config: dict[str, Any], par: Parallel, *, dtype: str = "f
 
 
 def layer_spec(config: dict[str, Any]):
+    """megatron-core's local layer spec, attending with torch's SDPA (`attention.SegmentAttention`: packed
+    rows sample by sample, no `[L x L]` scores or mask) instead of its `DotProductAttention`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from relax_core.train.megatron.attention import SegmentAttention
+
     experts = num_experts(config) if family(config) == "qwen3_moe" else None
-    return get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SegmentAttention
+    return spec
 
 
 def build_model(config: dict[str, Any], par: Parallel, *, dtype: str = "float32", recompute: bool = False,

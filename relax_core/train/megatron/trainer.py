@@ -35,6 +35,7 @@ token and sequence counts, as in the torch backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator, Sequence
@@ -48,7 +49,7 @@ from relax_core.rollout.types import Sample
 from relax_core.train.batching import MicroBatch
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.megatron import compat
-from relax_core.train.megatron.forward import attention_mask_, full_logits
+from relax_core.train.megatron.forward import attention_inputs, full_logits
 from relax_core.train.megatron.model import Parallel, build_model, unsupported
 from relax_core.train.optim import lr_lambda
 from relax_core.train.torch_backend import _SUMS, TorchTrainer, _Micro, _Mini
@@ -240,30 +241,38 @@ class MegatronTrainer(TorchTrainer):
 
     # ------------------------------------------------------------ schedule
     def _schedule(self, model, batches: list[MicroBatch | None], loss_fn, *, forward_only: bool,
-                  head: str = "lm") -> None:
+                  head: str = "lm", with_entropy: bool = False) -> None:
         """Run `batches` through megatron-core's forward/backward schedule; `loss_fn(i, output, mb)` (last
-        stage) returns the loss of batch i (None: an idle pass, loss 0). `head` "lm": the output is this TP
-        rank's slice of the logits (`_response_logprobs` reads it); "logits": the logits, gathered over the
-        vocabulary's TP slices; "value": the critic's `[B, L, 1]` values."""
+        stage) returns the loss of batch i (None: an idle pass, loss 0). `head` "lm": the output is the
+        `forward.HeadResult` of the response tokens' log-probs (and entropy, `with_entropy`), made inside the
+        output layer vocabulary-parallel in chunks of tokens (`forward.response_head`); "logits": the
+        logits, gathered over the vocabulary's TP slices; "value": the critic's `[B, L, 1]` values."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from relax_core.train.megatron.forward import response_head
 
         idle = self._idle_batch()
         items = [(i, b if b is not None else idle) for i, b in enumerate(batches)]
         vocab = self.hf_config["vocab_size"]
-        # bf16 logits to the loss (`_response_logprobs` takes fp32 of one chunk of response rows at a time),
-        # not a [tokens x vocabulary] fp32 copy made by Float16Module; the critic's one value per token in fp32.
+        # bf16 out of the model (the head's float32 is one chunk of tokens at a time), not an fp32 copy made
+        # by Float16Module; the critic's one value per token in fp32.
         half = {"fp32_output": False} if self.module.config.bf16 and head in ("lm", "logits") else {}
-
-        def full(output):
-            return full_logits(output, vocab) if head == "logits" else output
 
         def forward_step(data_iterator, chunk):
             index, mb = next(data_iterator)
-            mask = attention_mask_(mb.attention_mask, mb.position_ids)
-            output = chunk(mb.input_ids, mb.position_ids, mask, **half)
+            mask, packed = attention_inputs(mb)
+            fused = response_head(chunk, mb, vocab_size=vocab, with_entropy=with_entropy) if head == "lm" \
+                else contextlib.nullcontext()
+            with fused as result:
+                output = chunk(mb.input_ids, mb.position_ids, mask, packed_seq_params=packed, **half)
 
-            def loss_func(logits):
-                loss = loss_fn(index, full(logits), mb) if batches[index] is not None else logits.sum() * 0.0
+            def loss_func(output):
+                if batches[index] is None:
+                    loss = output.sum() * 0.0 if result is None else result.logp.sum() * 0.0
+                elif head == "lm":
+                    loss = loss_fn(index, result, mb)
+                else:
+                    loss = loss_fn(index, full_logits(output, vocab) if head == "logits" else output, mb)
                 return loss, torch.ones((), dtype=torch.int), {}
             return output, loss_func
 
@@ -290,25 +299,13 @@ class MegatronTrainer(TorchTrainer):
             dist.broadcast(tensor, src=last, group=group)
         return tensor
 
-    def _response_logprobs(self, logits: torch.Tensor, mb: MicroBatch, *, with_entropy: bool = False):
-        """`[B, R]` log-probs (and entropy) of the response tokens from this TP rank's slice of the logits,
-        reduced over the TP group in chunks of tokens (`loss_head.VocabParallelLogprob`): no rank gathers the
-        `[tokens x vocabulary]` logits or makes their float32 log-softmax."""
-        from megatron.core import parallel_state as ps
-
-        from relax_core.train.loss_head import vocab_parallel_response_logprobs
-
-        return vocab_parallel_response_logprobs(
-            logits, mb, vocab_size=self.hf_config["vocab_size"], group=ps.get_tensor_model_parallel_group(),
-            rank=ps.get_tensor_model_parallel_rank(), with_entropy=with_entropy)
-
     def _logprobs_of(self, model, batches: list[MicroBatch]) -> list[torch.Tensor]:
         """`[B, R]` log-probs of each batch (no grad), on every rank."""
         out: dict[int, torch.Tensor] = {}
 
-        def loss_fn(index, logits, mb):
-            out[index] = self._response_logprobs(logits, mb)[0].detach()
-            return logits.sum() * 0.0
+        def loss_fn(index, head, mb):
+            out[index] = head.logp.detach()
+            return head.logp.sum() * 0.0
 
         with torch.no_grad():
             self._schedule(model, list(batches), loss_fn, forward_only=True)
@@ -413,8 +410,8 @@ class MegatronTrainer(TorchTrainer):
         extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
         micros = list(mini.micros)
 
-        def loss_fn(index, logits, mb):
-            logp, entropy = self._response_logprobs(logits, mb, with_entropy=True)
+        def loss_fn(index, head, mb):
+            logp, entropy = head.logp, head.entropy
             loss, parts, micro_extremes = self._loss_from(logp, entropy, micros[index], mini)
             sums.add_(parts.to(device))
             torch.maximum(extremes, micro_extremes.to(device), out=extremes)
@@ -423,7 +420,7 @@ class MegatronTrainer(TorchTrainer):
         idle = [None] * (mini.passes - len(micros)) if self.sharded else []
         self.ddp.train()
         try:
-            self._schedule(self.ddp, [m.mb for m in micros] + idle, loss_fn, forward_only=False)
+            self._schedule(self.ddp, [m.mb for m in micros] + idle, loss_fn, forward_only=False, with_entropy=True)
         finally:
             self.ddp.eval()
         with compat.on_device():
