@@ -188,8 +188,25 @@ def trainer_plan(recipe: Recipe, shape: Shape) -> list[Item]:
                           f"3 x {HEAD_CHUNK_BYTES // 1024**2} MiB float32 chunk + 4 B x {_n(responses)} response "
                           f"tokens x hidden"))
     items += _companions(recipe, shape, c, ranks)
+    items += _kept_for_sync(recipe, shape, c)
     items.append(Item("runtime", RUNTIME_GIB * GIB, "CUDA context, NCCL, allocator slack (and a sleeping engine's)"))
     return items
+
+
+def _kept_for_sync(recipe: Recipe, shape: Shape, c: int) -> list[Item]:
+    """Engines on GPUs of their own get the weights from rank 0, which keeps them whole in the compute
+    dtype after each step (controller/workers.py: gathered from the shards, or in the asynchronous modes
+    copied aside so the sync runs while the next step trains); engines on the trainer's GPUs take them by
+    reference, shard by shard."""
+    from relax_core.launch.plan import engines_share_train_gpus
+
+    train = recipe.train
+    sharded = train.backend == "megatron" or (train.fsdp if train.fsdp is not None
+                                              else recipe.cluster.train.gpus_per_node > 0)
+    if engines_share_train_gpus(recipe) or (recipe.mode == "colocate" and not sharded):
+        return []
+    return [Item("sync copy", c * shape.params, f"rank 0: the whole weights, {c} B x {_n(shape.params)}, kept for "
+                 "the engines' weight sync")]
 
 
 def _activations(recipe: Recipe, per_token_layer: float, layers: int, tokens: int, c: int, hidden: int,

@@ -130,3 +130,10 @@ def test_validate_and_a_dry_run_refuse_a_recipe_that_cannot_fit_and_write_nothin
 def test_a_cpu_run_has_no_memory_plan():
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [])
     assert memory_lines(recipe) == [] and memory_problems(recipe) == []
+
+
+def test_rank_0_holds_a_whole_copy_for_engines_on_gpus_of_their_own_and_none_for_colocated_ones(qwen3_4b):
+    shared = plan(FSDP, qwen3_4b)  # colocate: the engines take the weights by reference, shard by shard
+    apart = plan(FSDP, qwen3_4b, "mode=fully_async", "cluster.rollout.nodes=1", "cluster.rollout.gpus_per_node=8")
+    assert "sync copy" not in shared
+    assert apart["sync copy"] == pytest.approx(2 * shape_of(QWEN3_4B).params / GIB)  # bf16, whole
