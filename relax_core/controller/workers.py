@@ -100,6 +100,36 @@ def accelerator(device: str, field: str) -> str:
     return "cuda"
 
 
+def set_aside(named, parameters) -> list:
+    """`(name, tensor)` pairs that later steps leave alone, in host memory: rank 0 keeps the whole weights
+    for engines on GPUs of their own, which the broadcaster moves to the GPU a bucket at a time
+    (`weights/sync.py`), so its GPU never holds a second whole model (a 32B model's 64 GB in bf16). On the
+    host a tensor is copied only when it shares its storage with a parameter (one gathered from shards,
+    or cast to the compute dtype, is apart already)."""
+    owned = None
+    kept = []
+    for name, tensor in named:
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
+        else:
+            if owned is None:
+                owned = {_storage(p) for p in parameters} - {None}
+            if _storage(tensor) in owned:
+                tensor = tensor.clone()
+        kept.append((name, tensor))
+    return kept
+
+
+def _storage(tensor) -> int | None:
+    """Where a tensor's storage starts (an FSDP2 parameter's: its local shard's); None when it has none."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class TrainerWorker:
     """One data-parallel training rank; `setup` joins the group and loads the model."""
 
@@ -204,7 +234,7 @@ class TrainerWorker:
         an added engine's resend) needs no other rank. Unsharded, rank 0 reads its own parameters."""
         if not (self._collective and self.keep_live):
             return
-        gathered = [(n, t.clone()) for n, t in self.trainer.named_parameters_for_sync()]
+        gathered = set_aside(self.trainer.named_parameters_for_sync(), self.trainer.model.parameters())
         self.live = gathered if self.rank == 0 else None
 
     def _live_weights(self):
@@ -223,7 +253,7 @@ class TrainerWorker:
         metrics = self.trainer.train_step(samples, advantages, ref_logprobs)
         self._gather_live()
         if snapshot_version is not None and self.rank == 0:
-            copy = self.live if self._collective else [(n, t.detach().clone()) for n, t in self._live_weights()]
+            copy = self.live if self._collective else set_aside(self._live_weights(), self.trainer.model.parameters())
             self.snapshot = (snapshot_version, copy)
         return metrics
 

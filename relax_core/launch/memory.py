@@ -194,19 +194,19 @@ def trainer_plan(recipe: Recipe, shape: Shape) -> list[Item]:
 
 
 def _kept_for_sync(recipe: Recipe, shape: Shape, c: int) -> list[Item]:
-    """Engines on GPUs of their own get the weights from rank 0, which keeps them whole in the compute
-    dtype after each step (controller/workers.py: gathered from the shards, or in the asynchronous modes
-    copied aside so the sync runs while the next step trains); engines on the trainer's GPUs take them by
-    reference, shard by shard."""
+    """Engines on GPUs of their own get the weights from rank 0, which keeps them whole in host memory
+    (controller/workers.set_aside) and moves them to its GPU a bucket at a time as it sends them: the
+    bucket's tensors and, over NCCL, the bucket flattened into one (weights/sync.py). Engines on the
+    trainer's GPUs take the weights by reference, shard by shard."""
     from relax_core.launch.plan import engines_share_train_gpus
 
-    train = recipe.train
-    sharded = train.backend == "megatron" or (train.fsdp if train.fsdp is not None
-                                              else recipe.cluster.train.gpus_per_node > 0)
-    if engines_share_train_gpus(recipe) or (recipe.mode == "colocate" and not sharded):
+    if engines_share_train_gpus(recipe):
         return []
-    return [Item("sync copy", c * shape.params, f"rank 0: the whole weights, {c} B x {_n(shape.params)}, kept for "
-                 "the engines' weight sync")]
+    bucket = recipe.train.weight_sync_bucket_mb * 1024**2
+    whole = c * shape.params
+    return [Item("sync bucket", 2 * min(bucket, whole),
+                 f"rank 0: a weight-sync bucket on the GPU and its flattened copy, 2 x "
+                 f"{_n(min(bucket, whole) / 1024**2)} MiB (the whole weights wait in host memory)")]
 
 
 def _activations(recipe: Recipe, per_token_layer: float, layers: int, tokens: int, c: int, hidden: int,

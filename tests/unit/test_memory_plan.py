@@ -132,8 +132,11 @@ def test_a_cpu_run_has_no_memory_plan():
     assert memory_lines(recipe) == [] and memory_problems(recipe) == []
 
 
-def test_rank_0_holds_a_whole_copy_for_engines_on_gpus_of_their_own_and_none_for_colocated_ones(qwen3_4b):
+def test_rank_0_sends_from_host_memory_a_bucket_at_a_time_to_engines_on_gpus_of_their_own(qwen3_4b):
     shared = plan(FSDP, qwen3_4b)  # colocate: the engines take the weights by reference, shard by shard
     apart = plan(FSDP, qwen3_4b, "mode=fully_async", "cluster.rollout.nodes=1", "cluster.rollout.gpus_per_node=8")
-    assert "sync copy" not in shared
-    assert apart["sync copy"] == pytest.approx(2 * shape_of(QWEN3_4B).params / GIB)  # bf16, whole
+    small = plan(FSDP, qwen3_4b, "mode=fully_async", "cluster.rollout.nodes=1", "cluster.rollout.gpus_per_node=8",
+                 "train.weight_sync_bucket_mb=128")
+    assert "sync bucket" not in shared
+    assert apart["sync bucket"] == pytest.approx(2 * 512 / 1024)  # GiB: the bucket and its flattened copy
+    assert small["sync bucket"] == pytest.approx(2 * 128 / 1024)

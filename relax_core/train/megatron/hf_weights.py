@@ -319,22 +319,37 @@ def gather_hf(model: torch.nn.Module, config: dict[str, Any], dtype: torch.dtype
     sent = dtype or model.config.params_dtype
     device = next(iter(params.values())).device
     ep_group, pp_group = ps.get_expert_model_parallel_group(), ps.get_pipeline_model_parallel_group()
+    per_rank = rank.experts // rank.ep_size if rank.ep_size > 1 else 0  # experts each EP rank holds
     for name in global_names(config):
         e = entry(name)
-        stage, ep = _owner(name, rank)
+        stage, _ = _owner(name, rank)
+        group = [name]
+        if e.expert and per_rank:
+            # Experts go as groups: local expert l is global expert k * E/EP + l on EP rank k, so one
+            # all-gather of local l over the EP group brings EP of them (the engines take names in any
+            # order); expert x with x >= E/EP has come with the group of x % (E/EP).
+            index = int(_EXPERT_RE.match(_LAYER_RE.match(name).group(2)).group(1))
+            if index >= per_rank:
+                continue
+            group = [_expert_named(name, k * per_rank + index) for k in range(rank.ep_size)]
         if rank.pp == stage:
-            # The local name is the same on every EP rank (expert e is local e % (E/EP) on EP rank
-            # e // (E/EP)): gather the TP parts, then every EP rank's, and keep the owner's.
             full = join_slices(e, _all_gather(params[_local_name(name, rank)].detach(), _tp_group(e)))
-            if e.expert and rank.ep_size > 1:
-                full = _all_gather(full, ep_group)[ep]
-            full = full.to(sent) if rank.pp_size > 1 else full
+            fulls = _all_gather(full, ep_group) if len(group) > 1 else [full]
+            fulls = [f.to(sent) for f in fulls] if rank.pp_size > 1 else fulls
         else:
-            full = torch.empty(_global_shape(name, config, rank), dtype=sent, device=device)
-        if rank.pp_size > 1:
-            dist.broadcast(full, group=pp_group, src=dist.get_global_rank(pp_group, stage))
-        for hf_name, tensor in zip(e.hf, split_global(e, full, dims)):
-            yield hf_name, tensor if dtype is None else tensor.to(dtype)
+            fulls = [torch.empty(_global_shape(name, config, rank), dtype=sent, device=device) for _ in group]
+        for full in fulls:
+            if rank.pp_size > 1:
+                dist.broadcast(full, group=pp_group, src=dist.get_global_rank(pp_group, stage))
+        for global_name, full in zip(group, fulls):
+            for hf_name, tensor in zip(entry(global_name).hf, split_global(entry(global_name), full, dims)):
+                yield hf_name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _expert_named(name: str, index: int) -> str:
+    """A global expert parameter's name with another expert's index."""
+    layer, rest = _LAYER_RE.match(name).groups()
+    return f"decoder.layers.{layer}.mlp.experts.local_experts.{index}.{_EXPERT_RE.match(rest).group(2)}"
 
 
 def _global_shape(name: str, config: dict[str, Any], rank: Rank) -> tuple[int, ...]:
