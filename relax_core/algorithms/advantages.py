@@ -3,7 +3,7 @@
 The per-sample formulas behind the registered estimators grpo, dr_grpo, rloo
 and reinforce_pp_baseline (estimators.py broadcasts them to the response
 tokens). Each maps per-sample rewards and group ids to one advantage per
-sample. Formulas: /work/shared/ALGORITHMS.md, "Advantage estimators".
+sample. Formulas: docs/algorithms.md, "Advantage estimators".
 
 Convention for a group of size 1 (shared by all three, as in verl): the group
 mean is taken as 0 and the std as 1, so the sample's advantage is its reward

@@ -6,7 +6,7 @@ micro-batch's *contribution*: normalisers (token count, sequence count) are
 the step's global totals passed in by the trainer, so the contributions of all
 micro-batches on all ranks sum to the step's loss whatever the split. Called
 without totals, an aggregator uses the micro-batch's own counts, i.e. gives the
-stand-alone value. Formulas: /work/shared/ALGORITHMS.md, "Loss aggregation".
+stand-alone value. Formulas: docs/algorithms.md, "Aggregation".
 
 All take `loss` and `mask` shaped `[num_seqs, num_tokens]`; masked positions
 are selected out with `torch.where` (not multiplied), so an inf/NaN at a

@@ -2,7 +2,7 @@
 
 Both run where rewards are known, before the batch reaches the trainer (the
 controller's rollout loop), so they are plain Python over floats and ints and
-import no torch. Formulas: /work/shared/ALGORITHMS.md, the DAPO paragraph.
+import no torch. Formulas: docs/algorithms.md, the DAPO paragraph.
 """
 
 from __future__ import annotations

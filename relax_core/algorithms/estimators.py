@@ -13,7 +13,7 @@ docstrings below). The result is always per token, `[B, T]`, exactly 0 where
 the mask is 0, so the trainer treats sequence-level estimators (grpo family:
 one value broadcast to the sample's tokens) and token-level ones
 (reinforce_pp, gae, opd) the same way. `returns` is set only by `gae` (the
-critic's regression target). Formulas: /work/shared/ALGORITHMS.md.
+critic's regression target). Formulas: docs/algorithms.md.
 
 Convention for masked positions inside a response (multi-turn tool tokens):
 they carry no reward and no discount; a discounted return or GAE recursion

@@ -2,7 +2,7 @@
 
 The trainer computes `logp_ref` with the reference model and, when the recipe
 enables a KL loss term, adds `kl_coef * aggregate(k(logp, logp_ref))` to the
-policy loss. Formulas: /work/shared/ALGORITHMS.md, "KL to the reference"
+policy loss. Formulas: docs/algorithms.md, "KL to the reference"
 (Schulman's k1/k2/k3 estimators of KL(pi || pi_ref), sampled from pi).
 """
 

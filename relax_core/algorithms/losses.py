@@ -2,7 +2,7 @@
 
 Building blocks: the registered (masked) losses in policy_losses.py wrap
 `ppo_clip` here after zeroing masked inputs, and the trainer multiplies
-`tis_weight` into the per-token loss. Formulas: /work/shared/ALGORITHMS.md,
+`tis_weight` into the per-token loss. Formulas: docs/algorithms.md,
 "Policy losses" and "Off-policy correction".
 """
 

@@ -16,7 +16,7 @@ gspo's sequence ratio reduces over.
 M2PO is the ppo_clip loss on the tokens a step-wide token selection keeps
 (`m2_keep_mask`, registered with `@register_token_selection("m2")`): the
 trainer runs the selection once over the whole step and aggregates with
-`mask * keep`. Formulas: /work/shared/ALGORITHMS.md, "Policy losses" and "Critic".
+`mask * keep`. Formulas: docs/algorithms.md, "Policy losses" and "The critic".
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ modules of `_HOMES`, which are imported the first time a name of their kind
 is resolved, so importing this module (as recipe validation and `relax list
 algorithms` do through the specs) imports no torch. A function defined
 elsewhere (a test, a plug-in) is registered as soon as its module is imported.
-Formulas: /work/shared/ALGORITHMS.md.
+Formulas: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class OverlongConfig(AlgoSection):
         return self.buffer_len if self.buffer_len is not None else max_new_tokens // 4
 
 
-DEFAULT_ASYNC_TIS_CAP = 2.0  # ALGORITHMS.md, "Off-policy correction"
+DEFAULT_ASYNC_TIS_CAP = 2.0  # docs/algorithms.md, "Off-policy correction"
 
 
 def _spec_loss_agg(data: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """Advantage estimators, policy loss, KL, TIS and loss aggregation on hand-worked batches.
 
 Every expected number below is worked out by hand (see the comments) from the
-formulas in /work/shared/ALGORITHMS.md, not produced by the code under test.
+formulas in docs/algorithms.md, not produced by the code under test.
 """
 
 from __future__ import annotations

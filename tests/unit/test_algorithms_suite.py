@@ -1,7 +1,7 @@
 """The algorithm suite's estimators, losses, DAPO pieces, specs and configs on hand-worked batches.
 
 Every expected number is worked out by hand in the comments from
-/work/shared/ALGORITHMS.md and written as literals or elementary arithmetic
+docs/algorithms.md and written as literals or elementary arithmetic
 (plain Python floats), never produced by the code under test. Layout of the
 `[B, T]` batches: a mask row of zeros is a zero-length response.
 """

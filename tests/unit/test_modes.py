@@ -18,7 +18,7 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 
 @pytest.mark.parametrize("mode, overrides, cap", [
     ("colocate", [], None),                         # on-policy: no correction unless asked for
-    ("fully_async", [], 2.0),                       # ALGORITHMS.md: C = 2 by default where samples lag
+    ("fully_async", [], 2.0),                       # docs/algorithms.md: C = 2 by default where samples lag
     ("hybrid", [], 2.0),
     ("fully_async", ["algorithm.tis_cap=0"], None),  # 0 turns it off
     ("colocate", ["algorithm.tis_cap=3.5"], 3.5),
