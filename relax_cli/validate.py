@@ -16,22 +16,33 @@ def validate(
     """Validate a recipe (with overrides), print the resolved recipe as YAML, and (on stderr) its plan:
     which node group and which GPUs or cores run each process, and the engines' command lines.
 
-    Paths and names the recipe refers to that this machine cannot see (a data
-    file on the cluster's file system, say) are warnings here; `relax submit`
-    treats them as errors. What this version of Relax cannot run anywhere (a
-    backend not built yet) is an error here too, as in `relax submit`.
+    Every check `relax submit` makes of the recipe and of what it names (model and data files, the data's
+    rows, rewards, the model's context, the memory plan) is made here by the same code, and refused the
+    same way (exit 2). What depends on the executor of this machine (Slurm's partitions, say) is a warning
+    here: the recipe may be meant for another cluster.
     """
     from relax_core.config import dump_recipe, load_recipe
-    from relax_core.config.checks import reference_problems
+    from relax_core.launch.executors import choose_executor
     from relax_core.launch.plan import plan_lines, planned_executor
-    from relax_core.launch.preflight import refuse_unavailable
+    from relax_core.launch.preflight import raise_if, recipe_problems
 
     resolved = load_recipe(recipe, overrides or [])
-    refuse_unavailable(resolved, recipe)
+    raise_if(recipe_problems(resolved), recipe)
     out.print(dump_recipe(resolved), end="", markup=False)
     for line in plan_lines(resolved, planned_executor(resolved)):
         err.print(line, markup=False)
-    for problem in reference_problems(resolved):
+    for problem in _executor_problems(resolved, choose_executor):
         err.print(f"[yellow]warning[/]: {problem}")
     err.print(f"[green]ok[/]: {recipe} is a valid recipe ({resolved.mode}, {resolved.train.backend} trainer, "
               f"{resolved.rollout.engine} engine)")
+
+
+def _executor_problems(recipe, choose_executor) -> list[str]:
+    """What `relax submit` would refuse on this machine's executor; a recipe whose executor this machine
+    cannot choose (no Slurm here) says so as one problem."""
+    from relax_core.errors import UserError
+
+    try:
+        return choose_executor(recipe).problems(recipe)
+    except UserError as exc:
+        return [str(exc)]

@@ -106,6 +106,42 @@ class RowSource:
         self.cursor = int(state["cursor"])
 
 
+def row_problems(data: FileData, limit: int = 5) -> list[str]:
+    """What would stop a run at reading this local data set, found before it starts: the file parses, holds
+    rows, each row has the columns `RowSource` reads (at most `limit` rows named), and its prompts are
+    what `RowSource` takes."""
+    try:
+        rows = _read_file(Path(data.path).expanduser())
+    except UserError as exc:
+        return [str(exc)]
+    problems = []
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            problems.append(f"data: row {index} of '{data.path}' is a {type(row).__name__}, not an object of columns")
+            continue
+        for column in (data.prompt_key, data.label_key, *([data.reward_key] if data.reward_key else [])):
+            try:
+                dotted_get(row, column)
+            except UserError:
+                problems.append(f"data: row {index} of '{data.path}' has no column '{column}' (columns: "
+                                f"{', '.join(map(str, row))}); "
+                                f"set data.{_key_field(data, column)} to the column that holds it")
+                break
+        if len(problems) >= limit:
+            return problems
+    if problems:
+        return problems
+    try:
+        RowSource(rows, data)
+    except UserError as exc:
+        return [str(exc)]
+    return []
+
+
+def _key_field(data: FileData, column: str) -> str:
+    return next(f for f in ("prompt_key", "label_key", "reward_key") if getattr(data, f) == column)
+
+
 def _hashable(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
@@ -203,10 +239,14 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".json":
         loaded = json.loads(text)
         return loaded if isinstance(loaded, list) else loaded.get("data", [])
-    try:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    except ValueError as exc:
-        raise UserError(f"data.path: '{path}' is not JSON lines: {exc}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as exc:
+                raise UserError(f"data.path: line {number} of '{path}' is not JSON: {exc}") from None
+    return rows
 
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")

@@ -31,20 +31,18 @@ _NOT_YET = "is not available in this version of Relax"
 
 def preflight(recipe: Recipe, recipe_path: str | Path, executor) -> None:
     """Every check; `executor` (launch/executors.py) adds its own."""
+    raise_if(recipe_problems(recipe) + executor.problems(recipe), recipe_path)
+
+
+def recipe_problems(recipe: Recipe) -> list[str]:
+    """Every check of the recipe and of what it names on this machine, whichever executor runs it: what
+    `relax validate` and `relax submit` both refuse (exit 2, nothing written)."""
     # What this version lacks comes first: it is refused on every executor, whatever else is wrong.
     problems = unavailable_features(recipe) + resource_problems(recipe) + reference_problems(recipe)
-    problems += _memory_saver_problems(recipe) + _reward_problems(recipe) + _multimodal_problems(recipe)
-    problems += _context_problems(recipe) + _tokenizer_problems(recipe) + _remote_code_problems(recipe)
-    problems += agentic_problems(recipe) + memory_problems(recipe)
-    raise_if(problems + executor.problems(recipe), recipe_path)
-
-
-def refuse_unavailable(recipe: Recipe, recipe_path: str | Path) -> None:
-    """`relax validate`: a recipe this version cannot run on any executor (or whose processes do not fit
-    its node groups or their GPUs' memory, or whose media do not decode) is an error there too."""
-    problems = unavailable_features(recipe) + resource_problems(recipe) + _memory_saver_problems(recipe)
-    problems += memory_problems(recipe)
-    raise_if(problems + _multimodal_problems(recipe) + agentic_problems(recipe), recipe_path)
+    problems += _memory_saver_problems(recipe) + _reward_problems(recipe) + _data_problems(recipe)
+    problems += _multimodal_problems(recipe) + _context_problems(recipe) + _tokenizer_problems(recipe)
+    problems += _remote_code_problems(recipe) + agentic_problems(recipe) + memory_problems(recipe)
+    return problems
 
 
 def raise_if(problems: list[str], recipe_path: str | Path) -> None:
@@ -328,17 +326,27 @@ def _memory_saver_problems(recipe: Recipe) -> list[str]:
             "(mode=fully_async with a cluster.rollout group)"]
 
 
+def _data_problems(recipe: Recipe) -> list[str]:
+    """A local data file reads as the run reads it (`data/prompts.row_problems`): it parses, holds rows, and
+    every row has the prompt and label columns (and text prompts where no chat template makes tokens of
+    them). A file this machine cannot see is `reference_problems`' to report; a hub data set not
+    downloaded yet is checked as the run loads it."""
+    data = recipe.data
+    if not isinstance(data, FileData) or data.source != "file" or not Path(data.path).expanduser().is_file():
+        return []
+    from relax_core.data.prompts import row_problems
+
+    return row_problems(data)
+
+
 def _multimodal_problems(recipe: Recipe) -> list[str]:
     """Every media value of every row of a data set this machine holds reads and decodes, within the
-    recipe's bounds (a file it cannot see is `reference_problems`' to report; a hub data set not
-    downloaded yet is checked as the run loads it)."""
+    recipe's bounds."""
     if not isinstance(recipe.data, FileData):
         return []
-    from relax_core.data.prompts import RowSource, load_rows, media_problems
+    from relax_core.data.prompts import media_problems
 
     try:
-        if not recipe.data.apply_chat_template and recipe.data.source == "file" and Path(recipe.data.path).is_file():
-            RowSource(load_rows(recipe.data), recipe.data)  # every prompt is text
         return media_problems(recipe.data)
-    except UserError as exc:  # the data file itself does not parse
-        return [str(exc)]
+    except UserError as exc:  # the data file itself does not parse (`_data_problems` says so too)
+        return [] if _data_problems(recipe) else [str(exc)]

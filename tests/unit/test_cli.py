@@ -36,12 +36,12 @@ def test_validate_prints_the_resolved_recipe():
     assert resolved["train"]["grad_clip"] == 1.0  # defaults are filled in
 
 
-def test_validate_warns_about_paths_this_machine_cannot_see(tmp_path):
+def test_validate_refuses_paths_this_machine_cannot_see_as_submit_does(tmp_path):
     recipe = yaml.safe_load(QUICKSTART.read_text()) | {"data": {"source": "file", "path": "/cluster/data/train.jsonl"}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     proc = relax("validate", str(tmp_path / "r.yaml"))
-    assert proc.returncode == 0, proc.stderr
-    assert "warning" in proc.stderr and "data.path" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "data.path: file '/cluster/data/train.jsonl' does not exist" in proc.stderr and proc.stdout == ""
 
 
 BAD_RECIPES = {
