@@ -1,9 +1,10 @@
 """Inspect this machine for `relax doctor`: packages, devices, schedulers, containers.
 
 Package versions come from installed metadata (no import); only the CUDA
-check imports torch, and only when torch is installed. Backends this version
-of Relax has no code for are reported as such, whatever is installed: no
-package makes them work.
+check imports torch, and only when torch is installed. What a recipe can ask
+for that this version of Relax has no code for is reported from the list the
+preflight refuses from (`launch/preflight.MISSING`), whatever is installed: no
+package makes it work.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ EXECUTORS = {
     "slurm": ("sbatch", "srun", "squeue", "scontrol"),
     "slurm + container": ("sbatch", "srun", "squeue", "scontrol", "apptainer"),
 }
-# Backends a recipe can name that have no code in this version (launch/preflight.py refuses them).
-NOT_AVAILABLE: dict[str, str] = {}
 
 
 def diagnose() -> dict[str, Any]:
@@ -43,9 +42,10 @@ def diagnose() -> dict[str, Any]:
     executors = {
         name: {"missing": [need for need in needs if need not in found]} for name, needs in EXECUTORS.items()
     }
-    backends = {name: f"not available in this version of Relax, whatever is installed ({field} is refused)"
-                for name, field in NOT_AVAILABLE.items()}
-    return {"checks": checks, "executors": executors, "not_available": backends}
+    from relax_core.launch.preflight import MISSING  # the list relax submit and relax validate refuse from
+
+    missing = {m.field: f"{m.what}: not available in this version of Relax, whatever is installed" for m in MISSING}
+    return {"checks": checks, "executors": executors, "not_available": missing}
 
 
 def _package(name: str, dist: str) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id, reference_problems
@@ -153,8 +155,7 @@ def _context_problems(recipe: Recipe) -> list[str]:
 
 def _media_model_problems(recipe: Recipe) -> list[str]:
     """Media columns need a model that reads them: Qwen3-VL (images, video) or Qwen3-Omni (also audio), known
-    from a tiny model's architecture or a local model directory's config (a hub id is not fetched here);
-    and no critic, which has no path for media yet."""
+    from a tiny model's architecture or a local model directory's config (a hub id is not fetched here)."""
     from relax_core.data.prompts import media_view
 
     data = media_view(recipe.data)
@@ -162,9 +163,6 @@ def _media_model_problems(recipe: Recipe) -> list[str]:
         return []
     keys = [k for k in ("image_key", "video_key", "audio_key") if getattr(data, k)]
     problems = []
-    if getattr(recipe.algorithm, "critic", None) is not None:
-        problems.append(f"algorithm.critic: a critic (value model) on data with media ({', '.join(keys)}) {_NOT_YET}; "
-                        "use an algorithm without one (grpo, dapo, ...) or text data")
     kind = _model_family(recipe)
     if isinstance(recipe.data, SyntheticData) or kind is None:
         return problems  # the synthetic media tasks name their own model (_media_task_problems)
@@ -212,22 +210,39 @@ def _media_task_problems(recipe: Recipe, data: SyntheticData) -> list[str]:
 
 
 def unavailable_features(recipe: Recipe) -> list[str]:
-    """What the recipe asks for that this version of Relax has no code for, one line per field.
-
-    The one place such fields are refused (`relax submit` on every executor, `relax validate`);
-    the version that builds a backend deletes its line here. `rollout.engine_args` is checked here too,
-    against the arguments of the SGLang that would run them, so `relax validate` catches a wrong key.
-    """
-    problems = _engine_problems(recipe) + _media_model_problems(recipe) + _agentic_media_problems(recipe)
-    if recipe.train.backend == "megatron":
-        problems += _megatron_problems(recipe)
-    if recipe.logging.uses("clearml"):
-        problems.append(f"logging.backends: clearml {_NOT_YET}; use wandb (offline works without a network) "
-                        "or tensorboard")
+    """What the recipe asks for that this version of Relax has no code for (`MISSING`, one line per field),
+    and engine arguments the SGLang that would run them does not take (so `relax validate` catches a
+    wrong key). Refused by `relax submit` on every executor and by `relax validate`."""
+    problems = _engine_problems(recipe) + _media_model_problems(recipe)
+    problems += [line for missing in MISSING for line in missing.check(recipe)]
     if recipe.logging.uses("wandb") and importlib.util.find_spec("wandb") is None:
         problems.append("logging.backends: wandb is not installed here: pip install 'relax-rl[wandb]' "
                         "(-e '.[wandb]' in a checkout), or drop it from the list")
     return problems
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A feature a recipe can ask for that this version has no code for. `relax doctor` lists `field` and
+    `what`; `check` gives the refusal lines for a recipe that asks for it (none for one that does not)."""
+
+    field: str
+    what: str
+    check: Callable[[Recipe], list[str]]
+
+
+def _asked(field: str, what: str, instead: str, asks: Callable[[Recipe], bool]) -> Missing:
+    return Missing(field, what, lambda r: [f"{field}: {what} {_NOT_YET}; {instead}"] if asks(r) else [])
+
+
+def _megatron(recipe: Recipe) -> bool:
+    return recipe.train.backend == "megatron"
+
+
+def _media_data(recipe: Recipe) -> bool:
+    from relax_core.data.prompts import media_view
+
+    return media_view(recipe.data) is not None
 
 
 def _agentic_media_problems(recipe: Recipe) -> list[str]:
@@ -246,21 +261,35 @@ def _agentic_media_problems(recipe: Recipe) -> list[str]:
     return []
 
 
-def _megatron_problems(recipe: Recipe) -> list[str]:
-    """What the megatron backend does not build: context parallelism (Transformer Engine's attention),
-    sequence parallelism (Transformer Engine's or Apex's norms), a distillation teacher, vision/audio models,
-    and models other than Qwen3 / Qwen3-MoE (known from a tiny model's architecture or a local model
-    directory's config.json; a hub id is checked when the trainer loads it)."""
-    train, algo, problems = recipe.train, recipe.algorithm, []
-    if train.context_parallel > 1:
-        problems.append(f"train.context_parallel: {train.context_parallel} (megatron-core's context parallelism "
-                        f"needs Transformer Engine's attention) {_NOT_YET}; set it to 1")
-    if train.sequence_parallel:
-        problems.append(f"train.sequence_parallel: Megatron sequence parallelism (it needs Transformer Engine's or "
-                        f"Apex's norms; the backend builds megatron-core's own layers) {_NOT_YET}; set it to false")
-    if getattr(algo, "teacher", None) is not None:
-        problems.append(f"algorithm.teacher: a distillation teacher with train.backend=megatron {_NOT_YET}; "
-                        "use train.backend=torch")
+# What a recipe can ask for that this version has no code for: the one list `unavailable_features` refuses
+# from and `relax doctor` shows. The version that builds one deletes its entry.
+MISSING = (
+    _asked("logging.backends", "clearml", "use wandb (offline works without a network) or tensorboard",
+           lambda r: r.logging.uses("clearml")),
+    _asked("train.context_parallel", "context parallelism with train.backend=megatron (megatron-core's needs "
+           "Transformer Engine's attention)", "set it to 1",
+           lambda r: _megatron(r) and r.train.context_parallel > 1),
+    _asked("train.sequence_parallel", "Megatron sequence parallelism (it needs Transformer Engine's or Apex's "
+           "norms; the backend builds megatron-core's own layers)", "set it to false",
+           lambda r: _megatron(r) and r.train.sequence_parallel),
+    _asked("algorithm.teacher", "a distillation teacher with train.backend=megatron", "use train.backend=torch",
+           lambda r: _megatron(r) and getattr(r.algorithm, "teacher", None) is not None),
+    _asked("algorithm.critic", "a critic (value model) on data with media (images, video, audio)",
+           "use an algorithm without one (grpo, dapo, ...) or text data",
+           lambda r: getattr(r.algorithm, "critic", None) is not None and _media_data(r)),
+    Missing("rollout.env", "multi-turn rollouts (rollout.env, rollout.agent) with images, video or audio",
+            _agentic_media_problems),
+    Missing("model", "train.backend=megatron with models other than Qwen3 and Qwen3-MoE, rope scaling, "
+            "sliding-window attention, or MoE layers mixed with dense ones",
+            lambda r: _megatron_model_problems(r) if _megatron(r) else []),
+)
+
+
+def _megatron_model_problems(recipe: Recipe) -> list[str]:
+    """What the megatron backend does not build of the model (known from a tiny model's architecture or a
+    local model directory's config.json; a hub id is checked when the trainer loads it): models other
+    than Qwen3 / Qwen3-MoE and, among those, what `train/megatron/model.unsupported` names."""
+    train, problems = recipe.train, []
     config = _local_config(recipe)
     if config is not None:
         from relax_core.train.megatron.model import Parallel, unsupported

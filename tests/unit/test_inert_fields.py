@@ -141,6 +141,7 @@ UNAVAILABLE = {
                           "sequence_parallel", GPUS),
     "megatron vlm": ({"train": {"backend": "megatron"}, "model": {"architecture": "qwen3_vl"}},
                      "model.architecture", GPUS),
+    "clearml": ({"logging": {"backends": ["clearml"]}}, "logging.backends", {}),
 }
 COMMANDS = {
     "validate": ("validate",),
@@ -204,6 +205,18 @@ def test_doctor_checks_the_packages_of_every_backend_and_lists_only_what_has_no_
     assert not any("sglang" in need or "megatron" in need for need in needs)
     assert "megatron trainer" not in report["not_available"] and "sglang engine" not in report["not_available"]
     assert all("not available in this version" in d for d in report["not_available"].values())
+
+
+@pytest.mark.parametrize("case", UNAVAILABLE, ids=list(UNAVAILABLE))
+def test_every_refusal_of_a_missing_feature_comes_from_the_list_doctor_shows(tmp_path, case):
+    from relax_core.launch.preflight import MISSING, unavailable_features
+
+    recipe = load_recipe(unavailable_recipe(tmp_path, case))
+    refused = [line.split(":")[0] for line in unavailable_features(recipe)]
+    listed = [line.split(":")[0] for m in MISSING for line in m.check(recipe)]
+    assert refused and refused == listed  # nothing refused as "not yet" outside the list
+    shown = json.loads(relax("doctor", "--json", cwd=tmp_path).stdout)["not_available"]
+    assert all(any(field.startswith(key) for key in shown) for field in refused), (refused, list(shown))
 
 
 def test_trainer_groups_stay_on_gloo_on_a_node_with_gpus(monkeypatch):
