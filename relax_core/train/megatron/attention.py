@@ -18,7 +18,9 @@ memory-efficient one on a CPU:
 - a mask when one is given (`[B, 1, Lq, Lk]`, True = may not attend, megatron-core's convention), as
   SDPA's boolean mask.
 
-Grouped-query attention is SDPA's (`enable_gqa`): keys and values are not repeated per head.
+Grouped-query attention is SDPA's (`enable_gqa`): keys and values are not repeated per head. A plain
+`torch.nn.Module` with no parameters, as megatron-core's checkpointing treats any such module: this file
+imports megatron-core only when a model is built (a checkout without the megatron extra imports it).
 """
 
 from __future__ import annotations
@@ -27,18 +29,16 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.utils import divide
 
 
-class SegmentAttention(MegatronModule):
+class SegmentAttention(torch.nn.Module):
     """A drop-in for megatron-core's `DotProductAttention` (same constructor and forward signature)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):
-        super().__init__(config=config)
+        super().__init__()
+        self.config = config
         if config.context_parallel_size != 1:
             raise ValueError("context parallelism needs Transformer Engine's attention")
         if pg_collection is None:
@@ -46,9 +46,11 @@ class SegmentAttention(MegatronModule):
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
         tp = pg_collection.tp.size()
+        if config.num_attention_heads % tp or config.num_query_groups % tp:
+            raise ValueError(f"{tp} tensor-parallel ranks do not divide the heads and key/value groups")
         self.attn_mask_type = attn_mask_type
-        self.heads = divide(config.num_attention_heads, tp)
-        self.groups = divide(config.num_query_groups, tp)
+        self.heads = config.num_attention_heads // tp
+        self.groups = config.num_query_groups // tp
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         if config.apply_query_key_layer_scaling:
@@ -56,11 +58,11 @@ class SegmentAttention(MegatronModule):
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_mask: torch.Tensor | None, attn_mask_type=None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("SegmentAttention takes no attention bias")
-        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        causal = (attn_mask_type or self.attn_mask_type).name == "causal"  # megatron-core's AttnMaskType
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._thd(query, key, value, packed_seq_params, causal)
         if packed_seq_params is not None:
