@@ -99,6 +99,8 @@ def rollout(trainer, tokenizer, task, reward, step, gen) -> list[Sample]:
     return samples
 
 
+# The quick start proves the same end to end (engine, HTTP, Ray) in the default tier.
+@pytest.mark.full(covered_by="tests/integration/test_local_run.py::test_quickstart_learns_the_task")
 def test_grpo_lifts_copy_reward(model_dir):
     from transformers import AutoTokenizer
 
