@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from relax_core.config import algorithms as cfg
+from relax_core.config.modes import MODE_NAMES
 
-ALL_MODES = ("colocate", "fully_async", "hybrid")
+ALL_MODES = MODE_NAMES
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from relax_core.cluster.local_ray import token_env
 from relax_core.cluster.ports import NodePorts, block_ports, lease_ports
 from relax_core.cluster.ray_compat import temp_dir_inside
 from relax_core.cluster.ray_logs import run_ray_node
+from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.launch.rundir import RunDir
 
@@ -113,7 +114,7 @@ def node_resources(recipe: Recipe, group: str, name: str, scale_op: str | None =
 def transfer_queue_cpus(recipe: Recipe, group: str, head: bool) -> int:
     """Ray CPUs a node adds for TransferQueue (asynchronous modes), whose actors each hold one: a storage
     unit on every training node (relax_core/data/bus.py places them there), its controller on the head."""
-    if recipe.mode == "colocate" or group != "train":
+    if not mode_spec(recipe.mode).bus or group != "train":
         return 0
     return 2 if head else 1
 

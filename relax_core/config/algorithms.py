@@ -137,7 +137,9 @@ class AlgorithmCommon(AlgoSection):
     def effective_tis_cap(self, mode: str) -> float | None:
         """The cap the trainer uses in `mode` (None: no correction)."""
         if self.tis_cap is None:
-            return DEFAULT_ASYNC_TIS_CAP if mode != "colocate" else None
+            from relax_core.config.modes import mode_spec
+
+            return DEFAULT_ASYNC_TIS_CAP if mode_spec(mode).stale_samples else None
         return self.tis_cap or None
 
     @property

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from relax_core.config.algorithms import AlgorithmConfig, GRPOConfig, algorithm_problems
+from relax_core.config.engines import ENGINE_KINDS, engine_kind
+from relax_core.config.modes import DEFAULT_MODE, MODE_NAMES, MODES, mode_spec
 from relax_core.rewards.genrm import DEFAULT_TEMPLATE
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -233,9 +235,9 @@ class AgentConfig(Section):
 class RolloutConfig(Section):
     """Generation: engines, sampling, and how far rollout may run ahead of training."""
 
-    engine: Literal["sglang", "cpu"] = "sglang"
+    engine: Literal[ENGINE_KINDS] = "sglang"
     """`sglang`: `sglang.launch_server` on GPU nodes, `gpus_per_engine` GPUs (TP ranks) each; `cpu`: Relax's
-    own engine speaking SGLang's API (no GPU)."""
+    own engine speaking SGLang's API (no GPU); how they differ: relax_core/config/engines.py."""
     num_engines: int = Field(1, ge=1)
     """Number of engine servers."""
     gpus_per_engine: int = Field(1, ge=0)
@@ -790,9 +792,10 @@ class Recipe(Section):
     """RL algorithm."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
     """Reward."""
-    mode: Literal["colocate", "fully_async", "hybrid"] = "colocate"
+    mode: Literal[MODE_NAMES] = DEFAULT_MODE
     """`colocate` (rollout and training take turns, on-policy; engines share the training nodes unless
-    a rollout group is given), `fully_async` or `hybrid` (separate rollout group, concurrent)."""
+    a rollout group is given), `fully_async` or `hybrid` (separate rollout group, concurrent); what each
+    runs where: relax_core/config/modes.py."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Nodes, Slurm, container."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -830,7 +833,7 @@ class Recipe(Section):
 
 
 def _mode_problems(r: Recipe) -> list[str]:
-    if r.mode != "colocate" and not r.cluster.rollout.nodes:
+    if mode_spec(r.mode).own_rollout_group and not r.cluster.rollout.nodes:
         return [f"cluster.rollout.nodes: mode {r.mode} needs a rollout node group (set it to 1 or more)"]
     return _reference_group_problems(r)
 
@@ -839,9 +842,10 @@ def _reference_group_problems(r: Recipe) -> list[str]:
     """A reference group serves the reference service of `fully_async`; elsewhere nothing would run on it."""
     if not r.cluster.reference.nodes:
         return []
-    if r.mode != "fully_async":
+    if not mode_spec(r.mode).field_services:
+        served = " or ".join(f"mode={m.name}" for m in MODES.values() if m.field_services)
         return [f"cluster.reference.nodes: mode {r.mode} computes the reference log-probs inside the trainer's "
-                "processes, so a reference node group needs mode=fully_async (or set cluster.reference.nodes=0)"]
+                f"processes, so a reference node group needs {served} (or set cluster.reference.nodes=0)"]
     if not r.algorithm.uses_reference:
         return [f"cluster.reference.nodes: algorithm {r.algorithm.name} with algorithm.kl.coef=0 uses no reference "
                 "model, so a reference node group has nothing to run (set algorithm.kl.coef above 0, or "
@@ -860,12 +864,12 @@ def rollout_group_name(r: Recipe) -> str:
 
 def _engine_problems(r: Recipe) -> list[str]:
     ro = r.rollout
-    if ro.engine == "cpu":
+    if not engine_kind(ro.engine).on_gpus:
         if ro.gpus_per_engine:
-            return ["rollout.gpus_per_engine: the cpu engine uses no GPU; set it to 0"]
+            return [f"rollout.gpus_per_engine: the {ro.engine} engine uses no GPU; set it to 0"]
         return []
     if ro.gpus_per_engine < 1:
-        return ["rollout.gpus_per_engine: the sglang engine needs at least 1 GPU per engine"]
+        return [f"rollout.gpus_per_engine: the {ro.engine} engine needs at least 1 GPU per engine"]
     return []  # whether the engines' GPUs fit their group: launch/plan.py (resource_problems, at validate)
 
 

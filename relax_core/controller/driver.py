@@ -15,14 +15,9 @@ import importlib
 import logging
 import threading
 
+from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe
 from relax_core.launch.rundir import RunDir
-
-LOOPS = {
-    "colocate": "relax_core.controller.colocate:train_colocate",
-    "fully_async": "relax_core.controller.streaming:train_fully_async",
-    "hybrid": "relax_core.controller.streaming:train_hybrid",
-}
 
 
 def setup_logging(run: RunDir) -> None:
@@ -45,7 +40,7 @@ def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | N
     from relax_core.controller.restarts import JobRestarts
     from relax_core.metrics.notify import Notifier
 
-    module, _, name = LOOPS[recipe.mode].partition(":")
+    module, _, name = mode_spec(recipe.mode).loop.partition(":")
     train_loop = getattr(importlib.import_module(module), name)
     notifier = Notifier(recipe.logging.notify, recipe.name, recipe.logging.notify_every)
     notifier.started(str(run.path), run.read_state().get("job_id"), recipe.train.steps)

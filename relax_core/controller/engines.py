@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_core.config.engines import engine_kind
+
 log = logging.getLogger(__name__)
 
 
@@ -48,8 +50,8 @@ class EngineSpec:
 
     @property
     def ranks_per_engine(self) -> int:
-        """Ranks each engine has in the weight-update group: every TP rank of an SGLang engine."""
-        return self.gpus if self.engine == "sglang" else 1
+        """Ranks each engine has in the weight-update group: every TP rank of an engine on GPUs."""
+        return self.gpus if engine_kind(self.engine).on_gpus else 1
 
     @property
     def weight_backend(self) -> str:

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from functools import cached_property, partial
 from typing import Any
 
+from relax_core.config.engines import engine_kind
+from relax_core.config.modes import mode_spec
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
 from relax_core.controller.restarts import TrainerWatch
@@ -47,6 +49,7 @@ class Job:
 
         recipe = setup.with_fetched(recipe, run)  # hub ids: the folders `relax submit` fetched them to
         self.recipe, self.run = recipe, run
+        self.mode = mode_spec(recipe.mode)  # what runs where (config/modes.py)
         self.notifier = notifier
         self.restarted = restarted
         self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
@@ -107,12 +110,12 @@ class Job:
         shared = self.engines.hands_over  # colocate on GPU nodes: engines on the trainer ranks' GPUs
         engines_ready = None if shared else self.engines.launch(self.recipe.rollout.num_engines)
         self._create_trainers()
-        if self.recipe.mode != "colocate":  # TransferQueue's processes start while the models load
+        if self.mode.bus:  # TransferQueue's processes start while the models load
             from relax_core.data.bus import import_tq
 
             import_tq()  # here, not in the thread: a second thread importing torch's modules may break them
             self._bus_start = _in_thread(self._start_bus)
-        if self.recipe.mode == "colocate":
+        if not self.mode.rollout_service:  # the driver's rollout manager tokenizes
             from relax_core.models.tokenizer import load_tokenizer
 
             self._tokenizer_load = _in_thread(load_tokenizer, self.model_dir, setup.trust_remote_code(self.recipe))
@@ -125,7 +128,7 @@ class Job:
             self._ray.get(trainers_ready)  # the same on every GPU (SGLang refuses TP ranks whose free memory differs)
             self.sleep_trainers(["optimizer", "model"])
             engines_ready = self.engines.launch(self.recipe.rollout.num_engines)
-        if self.recipe.mode != "colocate":
+        if self.mode.rollout_service:
             self._start_services()
         urls = self._ray.get(engines_ready)
         self._ray.get(trainers_ready)
@@ -253,10 +256,10 @@ class Job:
 
         # On shared GPUs every rank hands its own gathered buckets over (weights/ipc.py): no whole copy kept.
         keep_live = not shares_gpus(self.recipe)
-        sglang = self.recipe.rollout.engine == "sglang"  # loads weights by the model directory's own names
+        checkpoint_names = engine_kind(self.recipe.rollout.engine).loads_by_checkpoint_names
         megatron = setup.megatron_options(self.recipe)
         return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"),
-                               keep_live, sglang, megatron, self.recipe.mode != "colocate")
+                               keep_live, checkpoint_names, megatron, self.mode.bus)
                 for t in self.trainers]
 
     def _connect(self) -> None:

@@ -32,10 +32,9 @@ from typing import Any
 
 from relax_core.cluster.lifetime import die_with_parent
 from relax_core.cluster.ports import listening_socket
+from relax_core.config.engines import engine_kind
 
 log = logging.getLogger(__name__)
-ENGINE_READY_TIMEOUT_S = 300.0
-SGLANG_READY_TIMEOUT_S = 1200.0  # loading a large model onto its GPUs and capturing CUDA graphs takes minutes
 RENDEZVOUS_TIMEOUT = 600  # seconds the data-parallel ranks wait for each other
 
 
@@ -448,7 +447,8 @@ class EngineWorker:
         from relax_core.rollout.router import ENGINE_KEEP_ALIVE_S, KEEP_ALIVE_ENV
 
         host = node_ip()  # bind to the cluster's interface only
-        self.ready_timeout_s = SGLANG_READY_TIMEOUT_S if engine == "sglang" else ENGINE_READY_TIMEOUT_S
+        kind = engine_kind(engine)
+        self.ready_timeout_s = kind.ready_timeout_s
         # The key travels in the environment, which other users cannot read (unlike the command line).
         env = os.environ | {"OMP_NUM_THREADS": str(threads), "RELAX_ENGINE_API_KEY": api_key,
                             KEEP_ALIVE_ENV: str(ENGINE_KEEP_ALIVE_S)}  # why: rollout/router.py (Keep-alive)
@@ -457,7 +457,7 @@ class EngineWorker:
         parent = os.getpid()
         common = dict(model_dir=model_dir, host=host, seed=seed + index, max_running_requests=max_running_requests,
                       trust_remote_code=trust_remote_code, python=python)
-        if engine == "sglang":
+        if kind.binds_own_port:
             from relax_core.rollout.sglang_engine import INITIAL_WEIGHT_VERSION, server_command
 
             sock = None

@@ -16,6 +16,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.controller.driver import run_job, setup_logging
 from relax_core.controller.setup import prepare_model_dir
@@ -37,7 +38,7 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
     # + 2: TransferQueue's controller and storage unit each hold a Ray CPU (the asynchronous modes);
     # the project's own actors take none (their cores are the node groups').
     cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines) + 2
-    bus = recipe.mode != "colocate"  # TransferQueue, the asynchronous modes' data bus
+    bus = mode_spec(recipe.mode).bus  # TransferQueue
     with ThreadPoolExecutor(1, thread_name_prefix="model-dir") as pool:
         # The model directory (and the import of torch and transformers it takes) while Ray starts,
         # which mostly waits for its processes; the job then finds it ready.

@@ -34,6 +34,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_core.config.engines import engine_kind
 from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
 
 GIB = 1024**3
@@ -255,7 +256,7 @@ def engine_item(recipe: Recipe, shape: Shape) -> Item | None:
     """What an SGLang engine's weights take of each of its GPUs, against SGLang's static share (weights
     and KV cache: `mem_fraction_static`, at most 0.9 when the recipe leaves it to SGLang)."""
     ro = recipe.rollout
-    if ro.engine != "sglang" or not ro.gpus_per_engine:
+    if not engine_kind(ro.engine).on_gpus or not ro.gpus_per_engine:
         return None
     c = DTYPE_BYTES[recipe.model.dtype]
     return Item("engine weights", c * shape.params / ro.gpus_per_engine,

@@ -34,6 +34,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_core.config.engines import engine_kind
+from relax_core.config.modes import mode_spec
 from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
 
 _PLACEHOLDER = re.compile(r"'(<[\w-]+>[\w./-]*)'")  # shlex quotes `<port>`; the plan shows it bare
@@ -163,7 +165,7 @@ class _Planner:
 
     def rows(self) -> list[Row]:
         rows = self.trainers() + self.engines() + self.judges()
-        if self.recipe.mode != "colocate":
+        if mode_spec(self.recipe.mode).rollout_service:
             rows += self.services() + self.transfer_queue()
         return rows + [self.driver()]
 
@@ -247,7 +249,7 @@ class _Planner:
         commands = []
         for i in range(ro.num_engines):
             seed, trust = r.train.seed + i, trust_remote_code(r)
-            if ro.engine == "sglang":
+            if engine_kind(ro.engine).binds_own_port:  # the command EngineWorker runs (controller/workers.py)
                 from relax_core.rollout.sglang_engine import server_args, server_command
 
                 argv = server_command(model_dir=model_dir, tp_size=ro.gpus_per_engine, seed=seed, weight_version="0",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id, reference_problems
+from relax_core.config.engines import engine_kind
 from relax_core.config.schema import FileData, HFModel, Recipe, SyntheticData, TinyModel
 from relax_core.data.prompts import MEDIA_TASKS
 from relax_core.errors import RecipeError, UserError
@@ -328,7 +329,7 @@ def _engine_problems(recipe: Recipe) -> list[str]:
     """`rollout.engine_args`: SGLang server arguments (checked against SGLang's own), none for the cpu engine;
     `rollout.deterministic`: SGLang's deterministic inference (the cpu engine always samples by the seeds)."""
     ro, problems = recipe.rollout, []
-    if ro.engine == "cpu":
+    if not engine_kind(ro.engine).server_args:
         if ro.engine_args:
             problems.append("rollout.engine_args: SGLang server arguments, and the cpu engine takes none; leave it "
                             "empty or use rollout.engine=sglang")
@@ -346,7 +347,7 @@ def _memory_saver_problems(recipe: Recipe) -> list[str]:
     it, a release answers 200 and frees nothing, and the trainer runs out of memory)."""
     from relax_core.launch.plan import engines_share_train_gpus
 
-    if recipe.rollout.engine != "sglang" or not engines_share_train_gpus(recipe):
+    if not engine_kind(recipe.rollout.engine).memory_saver or not engines_share_train_gpus(recipe):
         return []
     if recipe.rollout.engine_args.get("enable_memory_saver") is True:
         return []

@@ -25,7 +25,7 @@ from relax_core.rewards.genrm import JudgeEndpoints
 
 log = logging.getLogger(__name__)
 JUDGE_KEY = "judge_api_key"
-READY_TIMEOUT_S = 360.0  # an engine's own limit (workers.ENGINE_READY_TIMEOUT_S) plus time to be placed
+READY_TIMEOUT_S = 360.0  # the cpu engine's own limit (config/engines.py) plus time to be placed
 
 
 class JudgeService:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_core.config.modes import mode_spec
 from relax_core.services.fields import ADVANTAGE_COLUMN, REFERENCE_COLUMN
 from relax_core.services.rollout import Downstream
 
@@ -26,7 +27,8 @@ from relax_core.services.rollout import Downstream
 def reference_service(recipe) -> bool:
     """The reference log-probs come from the reference workers: fully_async, a reference model, and a node
     group for it (`cluster.reference`); else the trainer ranks compute them."""
-    return recipe.mode == "fully_async" and recipe.algorithm.uses_reference and recipe.cluster.reference.nodes > 0
+    return (mode_spec(recipe.mode).field_services and recipe.algorithm.uses_reference
+            and recipe.cluster.reference.nodes > 0)
 
 
 def reference_workers(recipe) -> int:
@@ -37,7 +39,7 @@ def reference_workers(recipe) -> int:
 
 def advantage_service(recipe) -> bool:
     """The advantages come from the advantage service (fully_async and an outcome-only estimator)."""
-    return recipe.mode == "fully_async" and recipe.algorithm.spec.outcome_only
+    return mode_spec(recipe.mode).field_services and recipe.algorithm.spec.outcome_only
 
 
 def advantage_stage(recipe):

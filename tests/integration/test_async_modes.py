@@ -60,9 +60,9 @@ class Watched:
     def run_loop(self) -> str:
         import importlib
 
-        from relax_core.controller.driver import LOOPS
+        from relax_core.config.modes import mode_spec
 
-        module, _, name = LOOPS[self.recipe.mode].partition(":")
+        module, _, name = mode_spec(self.recipe.mode).loop.partition(":")
         try:
             return getattr(importlib.import_module(module), name)(self.job)
         finally:
