@@ -14,8 +14,8 @@ def logs(
 ) -> None:
     """Print a run's log."""
     from relax_core.errors import UserError
-    from relax_core.launch.rundir import find_run
     from relax_core.launch.status import follow as follow_lines
+    from relax_core.rundir import find_run
 
     run_dir = find_run(run)
     path = run_dir.logs / f"{component}.log"

@@ -15,8 +15,8 @@ def plot(
                                   help="Image to write (.png, .pdf or .svg; default: RUN/curves.png)."),
 ) -> None:
     """Draw reward, response length, throughput, staleness, losses and step time against steps."""
-    from relax_core.launch.rundir import find_run
     from relax_core.metrics.plot import plot_run
+    from relax_core.rundir import find_run
 
     run_dir = find_run(run)
     written = plot_run(run_dir.metrics, out_file or run_dir.path / "curves.png", title=run_dir.path.name)

@@ -26,7 +26,7 @@ def scale_rollout(
     """Add or remove rollout engines of a running run; on Slurm, +N submits a job for the new nodes.
     Follows the operation until it is done (Ctrl-C stops following; the operation goes on)."""
     from relax_core.launch.control import ControlClient
-    from relax_core.launch.rundir import find_run
+    from relax_core.rundir import find_run
 
     args = list(args or [])
     change = args.pop(0) if args and CHANGE.match(args[0]) else None

@@ -16,8 +16,8 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show a run's state, step, reward and latest checkpoint."""
-    from relax_core.launch.rundir import find_run
     from relax_core.launch.status import run_status
+    from relax_core.rundir import find_run
 
     report = run_status(find_run(run))
     if as_json:

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from relax_core.cluster.lifetime import Reaper
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 TOKEN_NAME = "ray_token"
 LOCAL_NODE = "local"  # the local cluster's one node, as `logs/ray/<node>/` names it

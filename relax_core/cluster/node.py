@@ -48,7 +48,7 @@ from relax_core.cluster.ray_compat import temp_dir_inside
 from relax_core.cluster.ray_logs import run_ray_node
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe, rollout_group_name
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 # Custom Ray resources nodes advertise: training-rank slots, engine slots, reference-worker slots.
 TRAIN_RESOURCE, ROLLOUT_RESOURCE, REFERENCE_RESOURCE = "relax_train", "relax_rollout", "relax_reference"
@@ -96,7 +96,7 @@ def node_resources(recipe: Recipe, group: str, name: str, scale_op: str | None =
     nodes = getattr(recipe.cluster, group)
     resources: dict[str, float] = {node_resource(name): 1}
     if scale_op is not None:  # a node of a scale-out job: engine slots, and the ones its engines ask for
-        from relax_core.launch.plan import engines_per_node
+        from relax_core.cluster.placement import engines_per_node
 
         slots = nodes.gpus_per_node or engines_per_node(recipe)
         return resources | {ROLLOUT_RESOURCE: slots, scale_resource(scale_op): slots}

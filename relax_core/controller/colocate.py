@@ -30,10 +30,10 @@ from __future__ import annotations
 from functools import partial
 from statistics import fmean
 
+from relax_core.cluster.placement import engine_slot_gpus, engines_share_train_gpus
 from relax_core.config.schema import Recipe
 from relax_core.controller.job import Job, timed
 from relax_core.controller.preemption import Preempted
-from relax_core.launch.plan import engine_slot_gpus, engines_share_train_gpus
 from relax_core.rollout.types import Sample
 
 # SGLang's memory tags: what an engine frees while the trainer trains, and the two halves it resumes in.

@@ -17,7 +17,7 @@ import threading
 
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 
 def setup_logging(run: RunDir) -> None:

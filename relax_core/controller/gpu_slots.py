@@ -25,14 +25,14 @@ from __future__ import annotations
 from typing import Any
 
 from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
-from relax_core.config.schema import Recipe, rollout_group_name
-from relax_core.launch.plan import (
+from relax_core.cluster.placement import (
     engine_slot_gpus,
     engine_slots,
     engines_per_node,
     engines_share_train_gpus,
     trainer_gpu,
 )
+from relax_core.config.schema import Recipe, rollout_group_name
 
 SHARE = 0.5  # of a colocated GPU: the trainer rank's half and the engine's half
 PLACE_TIMEOUT_S = 120.0  # every node has joined when the driver starts: a group not placed by then never is

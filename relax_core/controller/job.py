@@ -20,15 +20,15 @@ from concurrent.futures import Future
 from functools import cached_property, partial
 from typing import Any
 
+from relax_core.cluster.placement import threads_per_process
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller import setup
 from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.workers import TrainerWorker, end_actors
-from relax_core.launch.plan import threads_per_process
-from relax_core.launch.rundir import RunDir
 from relax_core.rollout.types import Sample
+from relax_core.rundir import RunDir
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = "engine_api_key"
@@ -146,11 +146,11 @@ class Job:
 
     def _start_control(self) -> None:
         """The scale operations (elastic.py) and the control API that takes them (api.py)."""
+        from relax_core.cluster.placement import engines_per_node, local_engine_capacity
         from relax_core.controller.api import ControlApi
         from relax_core.controller.elastic import Elastic
         from relax_core.controller.recovery import EngineRecovery
         from relax_core.controller.workers import node_ip
-        from relax_core.launch.plan import engines_per_node, local_engine_capacity
         from relax_core.launch.scale_jobs import ScaleJobRequests
 
         executor = self.run.read_state().get("executor") or "local"

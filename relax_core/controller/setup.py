@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from relax_core.config.schema import HFModel, Recipe, TinyModel
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 # Files of a model directory that belong to its tokenizer; `model.tokenizer` replaces all of them.
 TOKENIZER_FILES = frozenset({

@@ -6,7 +6,7 @@
 It sits above the controller it starts (as the Slurm entry points beside it
 do): `relax_core.launch.local` calls `run_driver` in the `relax submit`
 process. Each node group of the recipe becomes a share of this machine's
-cores (`local_cpu_sets`).
+cores (`cluster/placement.py`: `local_cpu_sets`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from relax_core.cluster.placement import local_cpu_sets, local_slots
 from relax_core.config.modes import mode_spec
-from relax_core.config.schema import Recipe, rollout_group_name
+from relax_core.config.schema import Recipe
 from relax_core.controller.driver import run_job, setup_logging
 from relax_core.controller.setup import prepare_model_dir
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -62,38 +63,3 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
             stop_local_ray()
             kept = remove_ray_dir(ray_dir, run.logs / "ray" / LOCAL_NODE)
             log.info("Ray stopped; its logs in %s", kept or "(none written)")
-
-
-def local_slots(recipe: Recipe) -> dict[str, float]:
-    """The custom resources of the one local Ray node: every group's slots (as `cluster.node` gives a node)."""
-    from relax_core.cluster.node import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
-    from relax_core.launch.plan import local_engine_capacity
-
-    # GPU engines: the engines' group's GPUs, as a node of it declares them (their placement groups take
-    # them all, controller/gpu_slots.py); CPU engines: one slot each, for as many as a scale-out may add
-    engine_gpus = recipe.rollout.gpus_per_engine and getattr(recipe.cluster, rollout_group_name(recipe)).gpus_per_node
-    slots = {TRAIN_RESOURCE: recipe.train_ranks, ROLLOUT_RESOURCE: engine_gpus or local_engine_capacity(recipe)}
-    if recipe.reward.judge_engines:  # the judge's engines (reward.genrm), beside the rollout engines
-        slots[JUDGE_RESOURCE] = recipe.reward.judge_engines
-    if recipe.cluster.reference.nodes:  # one reference worker: the group's one node (LocalExecutor.problems)
-        slots[REFERENCE_RESOURCE] = 1
-    return slots
-
-
-def local_cpu_sets(recipe: Recipe) -> dict[str, list[int]]:
-    """On one machine, each node group gets its own cores (`cpus_per_node` each, in het-group order) when
-    they fit, so rollout and training of the asynchronous modes do not slow each other down.
-
-    Train and rollout are pinned both or neither (else none are pinned); a reference group gets its own
-    cores after theirs only when those fit too, and otherwise shares the machine unpinned.
-    """
-    cluster, available = recipe.cluster, sorted(os.sched_getaffinity(0))
-    wanted = cluster.train.cpus_per_node + (cluster.rollout.cpus_per_node if cluster.rollout.nodes else 0)
-    if not cluster.rollout.nodes or wanted > len(available):
-        return {}
-    train = available[:cluster.train.cpus_per_node]
-    sets = {"train": train, "rollout": available[len(train):wanted]}
-    reference = available[wanted:wanted + cluster.reference.cpus_per_node]
-    if cluster.reference.nodes and len(reference) == cluster.reference.cpus_per_node:
-        sets["reference"] = reference
-    return sets

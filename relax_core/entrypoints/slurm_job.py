@@ -47,8 +47,8 @@ from relax_core.config.schema import Recipe
 from relax_core.entrypoints.slurm_steps import Allocation, JobSteps
 from relax_core.entrypoints.slurm_steps import srun_command as srun_command  # tests/unit/test_container_steps.py
 from relax_core.errors import UserError
-from relax_core.launch.rundir import DriverLock, RunDir
 from relax_core.launch.scale_jobs import ScaleJobs
+from relax_core.rundir import DriverLock, RunDir
 
 # Exit codes of the driver step.
 DRIVER_COMPLETED, DRIVER_STOPPED, DRIVER_STARTUP_FAILED = 0, 3, 4

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from relax_core.entrypoints.slurm_steps import hostnames, srun_command, srun_env, terminate
-from relax_core.launch.rundir import RunDir
 from relax_core.launch.scale_jobs import FOLDER
+from relax_core.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relax_core.config.schema import NodeGroup, Recipe
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 # Variables sbatch sets for the job's resources that srun would read as options of every step, and the job's
 # GPU visibility (Slurm sets a step's own for the GPUs it asks for; before 22.05 a step with --gres=none kept

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_core.errors import UserError
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 FOLDER = "control"
 TIMEOUT_S = 30.0  # how long the CLI waits for the driver's answer

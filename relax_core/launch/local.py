@@ -18,9 +18,9 @@ import socket
 import time
 
 from relax_core.launch.executors import Executor, Launched
-from relax_core.launch.rundir import DriverLock
 from relax_core.launch.status import pid_alive
 from relax_core.launch.submit import Submission, record
+from relax_core.rundir import DriverLock
 
 
 def _now() -> str:

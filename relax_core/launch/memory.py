@@ -199,7 +199,7 @@ def _kept_for_sync(recipe: Recipe, shape: Shape, c: int) -> list[Item]:
     (controller/workers.set_aside) and moves them to its GPU a bucket at a time as it sends them: the
     bucket's tensors and, over NCCL, the bucket flattened into one (weights/sync.py). Engines on the
     trainer's GPUs take the weights by reference, shard by shard."""
-    from relax_core.launch.plan import engines_share_train_gpus
+    from relax_core.cluster.placement import engines_share_train_gpus
 
     if engines_share_train_gpus(recipe):
         return []

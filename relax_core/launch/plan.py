@@ -1,7 +1,8 @@
 """The plan of a run: which node group and which GPUs (or cores) run which process, and whether they fit.
 
-    layout    trainer_gpu, engine_slot_gpus   which GPU of which node a trainer rank / an engine gets
-              (controller/gpu_slots.py makes Ray keep to it; this module only computes it)
+    layout    which GPU of which node a trainer rank / an engine gets, and each process's threads:
+              cluster/placement.py computes it, controller/gpu_slots.py makes Ray keep to it, and
+              this module shows it
     check     resource_problems               a recipe never asks for more GPUs than its groups have
     show      plan_lines                      `relax validate` and `relax submit --dry-run` print it
 
@@ -34,54 +35,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax_core.cluster.placement import (
+    engine_slot_gpus,
+    engine_slots,
+    engines_per_node,
+    engines_share_train_gpus,
+    local_cpu_sets,
+    threads_per_process,
+    trainer_gpu,
+)
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
 
 _PLACEHOLDER = re.compile(r"'(<[\w-]+>[\w./-]*)'")  # shlex quotes `<port>`; the plan shows it bare
-
-
-# ------------------------------------------------------------------ layout
-def engines_share_train_gpus(recipe: Recipe) -> bool:
-    """Colocate on GPUs: the engines run on the train group's GPUs, time-shared with the trainer ranks."""
-    return (rollout_group_name(recipe) == "train" and recipe.rollout.gpus_per_engine > 0
-            and recipe.cluster.train.gpus_per_node > 0)
-
-
-def engines_per_node(recipe: Recipe) -> int:
-    """Engines one node of the engines' group holds: GPU engines as many as their GPUs fit in the node's,
-    CPU engines an even share of `rollout.num_engines` (the group's engine slots, cluster/node.py)."""
-    group, tp = getattr(recipe.cluster, rollout_group_name(recipe)), recipe.rollout.gpus_per_engine
-    if tp:
-        return group.gpus_per_node // tp
-    return math.ceil(recipe.rollout.num_engines / max(group.nodes, 1))
-
-
-def trainer_gpu(recipe: Recipe, rank: int) -> tuple[int, int]:
-    """(node, GPU) of trainer rank `rank` on a train group with GPUs: node by node, one rank per GPU."""
-    return divmod(rank, recipe.cluster.train.gpus_per_node)
-
-
-def engine_slot_gpus(recipe: Recipe, slot: int) -> tuple[int, list[int]]:
-    """(node, GPUs) of GPU engine slot `slot` of the engines' group: node by node, consecutive GPUs."""
-    tp = recipe.rollout.gpus_per_engine
-    node, k = divmod(slot, engines_per_node(recipe))
-    return node, list(range(k * tp, (k + 1) * tp))
-
-
-def engine_slots(recipe: Recipe) -> int:
-    """GPU engine slots of the engines' group (0 for CPU engines, which take no GPU)."""
-    if not recipe.rollout.gpus_per_engine:
-        return 0
-    return getattr(recipe.cluster, rollout_group_name(recipe)).nodes * engines_per_node(recipe)
-
-
-def local_engine_capacity(recipe: Recipe) -> int:
-    """Engines a local run holds at once, scale-outs included: its GPU engine slots, or (CPU engines) one
-    per core of this machine, at least the recipe's own."""
-    if recipe.rollout.gpus_per_engine:
-        return engine_slots(recipe)
-    return max(recipe.rollout.num_engines, os.cpu_count() or 1)
 
 
 # ------------------------------------------------------------------- check
@@ -130,25 +97,10 @@ class Row:
     process: str
 
 
-def threads_per_process(recipe: Recipe, group: str, cores: int) -> int:
-    """Torch threads per process: a node's `cores` split between the trainer ranks and engines it hosts.
-
-    Oversubscribed CPU threads make torch an order of magnitude slower, and
-    in colocate mode the processes take turns anyway.
-    """
-    cluster = recipe.cluster
-    per_node = {"train": math.ceil(recipe.train_ranks / cluster.train.nodes), "rollout": 0}
-    engine_group = rollout_group_name(recipe)
-    per_node[engine_group] += math.ceil(recipe.rollout.num_engines / getattr(cluster, engine_group).nodes)
-    return max(1, cores // max(per_node.get(group, 1), 1))
-
-
 class _Planner:
     """The rows and engine command lines of one recipe on one executor."""
 
     def __init__(self, recipe: Recipe, executor: str):
-        from relax_core.entrypoints.local_driver import local_cpu_sets
-
         self.recipe, self.local = recipe, executor == "local"
         self.cpu_sets = local_cpu_sets(recipe) if self.local else {}  # the local executor pins each group's cores
 

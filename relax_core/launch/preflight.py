@@ -345,7 +345,7 @@ def _engine_problems(recipe: Recipe) -> list[str]:
 def _memory_saver_problems(recipe: Recipe) -> list[str]:
     """Colocate on GPUs: SGLang frees its memory for the trainer only with its memory saver on (without
     it, a release answers 200 and frees nothing, and the trainer runs out of memory)."""
-    from relax_core.launch.plan import engines_share_train_gpus
+    from relax_core.cluster.placement import engines_share_train_gpus
 
     if not engine_kind(recipe.rollout.engine).memory_saver or not engines_share_train_gpus(recipe):
         return []

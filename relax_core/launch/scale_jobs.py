@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from relax_core.config.schema import Recipe, rollout_group_name
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 log = logging.getLogger(__name__)
 FOLDER = "scale"

@@ -33,7 +33,7 @@ from typing import Any
 from relax_core.config.schema import NodeGroup, Recipe
 from relax_core.errors import RecipeError
 from relax_core.launch.executors import Executor, Launched
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 SCRIPT_NAME = "job.sbatch"
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 FINAL_STATES = ("completed", "failed", "cancelled", "died", "preempted")
 

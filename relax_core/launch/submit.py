@@ -27,8 +27,8 @@ from relax_core.config import Recipe, dump_recipe, load_recipe
 from relax_core.errors import RecipeError, UserError
 from relax_core.launch.executors import Executor, choose_executor
 from relax_core.launch.preflight import preflight
-from relax_core.launch.rundir import RunDir, in_use_message, lock_holder, new_run_dir
 from relax_core.launch.same_run import check_same_run, describe, stored_recipe
+from relax_core.rundir import RunDir, in_use_message, lock_holder, new_run_dir
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from relax_core.config.loader import load_recipe
-from relax_core.launch.rundir import new_run_dir
+from relax_core.rundir import new_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -37,9 +37,9 @@ class Watched:
 
     def __init__(self, tmp_path: Path, monkeypatch, *overrides: str, run=None):
         """`run`: the run directory of an earlier job, to resume it (else a fresh one under `tmp_path`)."""
+        from relax_core.cluster.placement import local_cpu_sets
         from relax_core.controller import streaming
         from relax_core.controller.job import Job
-        from relax_core.entrypoints.local_driver import local_cpu_sets
 
         self.recipe = load_recipe(QUICKSTART, [*SMALL, *overrides])
         self.run = run or new_run_dir(tmp_path, "run").create()

@@ -342,8 +342,8 @@ def test_status_reads_version_and_load_and_never_probes_an_engine_whose_memory_i
     import subprocess
     import sys
 
-    from relax_core.launch.rundir import RunDir
     from relax_core.rollout.client import engine_view
+    from relax_core.rundir import RunDir
 
     run_dir = RunDir(tmp_path / "runs" / "r1")
     run_dir.create()

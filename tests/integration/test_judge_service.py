@@ -26,10 +26,10 @@ from model_dirs import custom_code_model, echo_judge_model
 
 from relax_core.cluster.node import JUDGE_RESOURCE
 from relax_core.config import load_recipe
-from relax_core.launch.rundir import new_run_dir
 from relax_core.rewards.genrm import JudgeEndpoints
 from relax_core.rewards.hub import RewardHub, RewardItem
 from relax_core.rewards.judge_service import JudgeService
+from relax_core.rundir import new_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())

@@ -23,7 +23,7 @@ import pytest
 from proc_table import QUICKSTART, cmdline
 
 from relax_core.config.loader import load_recipe
-from relax_core.launch.rundir import new_run_dir
+from relax_core.rundir import new_run_dir
 
 GONE_WITHIN_S = 10
 

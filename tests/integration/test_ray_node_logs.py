@@ -22,7 +22,7 @@ from relax_core.cluster.lifetime import descendants, reap
 from relax_core.cluster.ray_compat import temp_dir_inside
 from relax_core.cluster.ray_logs import FILE_BYTES
 from relax_core.config import dump_recipe, load_recipe
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 

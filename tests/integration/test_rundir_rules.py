@@ -218,7 +218,7 @@ def test_submit_refuses_a_run_whose_recorded_driver_is_alive(tmp_path):
 
 
 def test_the_slurm_batch_step_refuses_a_run_another_driver_holds(tmp_path):
-    from relax_core.launch.rundir import DriverLock, RunDir
+    from relax_core.rundir import DriverLock, RunDir
 
     run = recorded_run(tmp_path, executor="slurm", state="pending", job_id="77")
     before = tree_hash(run)

@@ -52,8 +52,8 @@ FINAL = ("completed", "failed", "died", "cancelled")
 def final_status(cwd: Path, run: str, timeout: float, what: str) -> dict:
     """`relax status` of the run once it ended. The wait reads the state in this process, as that command
     does (run.json and Slurm's view): a command started every second would take a core from the job."""
-    from relax_core.launch.rundir import RunDir
     from relax_core.launch.status import run_status
+    from relax_core.rundir import RunDir
 
     wait_for(lambda: run_status(RunDir(cwd / run))["state"] in FINAL, timeout, what)
     return status(cwd, run)
@@ -360,8 +360,8 @@ SHIPPED = sorted((REPO / "recipes").rglob("*.yaml"))
 def test_sbatch_test_only_accepts_the_script_of_every_shipped_recipe(slurm_cluster, tmp_path, recipe_path,
                                                                      container):
     from relax_core.config import load_recipe
-    from relax_core.launch.rundir import RunDir
     from relax_core.launch.slurm import render_job_script, test_only
+    from relax_core.rundir import RunDir
 
     overrides = [f"cluster.slurm.partition={slurm_cluster.gpu_partition}"]  # g1, g2: 64 CPUs, 8 GPUs
     if container:

@@ -25,7 +25,7 @@ from test_slurm_launch import final_status, logs_of, submit
 from relax_core.config import load_recipe
 from relax_core.errors import RecipeError
 from relax_core.launch import slurm
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"

@@ -43,7 +43,7 @@ import json, subprocess, sys, time
 from pathlib import Path
 from relax_core.config import load_recipe
 from relax_core.entrypoints.slurm_steps import Allocation, JobSteps
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 tmp, overrides, blocked = Path(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
 recipe = load_recipe(sys.argv[4], overrides)
@@ -149,7 +149,7 @@ from pathlib import Path
 from relax_core.config import load_recipe
 from relax_core.entrypoints.slurm_job import DRIVER_STOPPED, finish, stop_on_signals
 from relax_core.entrypoints.slurm_steps import Allocation, JobSteps
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 tmp = Path(sys.argv[1])
 run = RunDir(tmp / "run")
@@ -165,7 +165,7 @@ steps = JobSteps(recipe, run, alloc)
 signalled = stop_on_signals(run, steps)
 stand_in = ("import signal, sys, time\\n"
             "from pathlib import Path\\n"
-            "from relax_core.launch.rundir import RunDir\\n"
+            "from relax_core.rundir import RunDir\\n"
             "run = RunDir(Path(sys.argv[1]))\\n"
             "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(%d))\\n"
             "run.update_state(checkpoint_step=1)\\n"
@@ -207,8 +207,8 @@ def test_sigterm_from_slurm_requeues_a_job_that_made_progress(slurm_cluster: Slu
 
 def test_the_users_cancel_is_never_requeued(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """`relax cancel` (SlurmExecutor.cancel) of a run that made progress: the job ends cancelled, not requeued."""
-    from relax_core.launch.rundir import RunDir
     from relax_core.launch.slurm import SlurmExecutor
+    from relax_core.rundir import RunDir
 
     job = start_signalled_job(slurm_cluster, tmp_path)
     run = RunDir(tmp_path / "run")
@@ -240,7 +240,7 @@ def test_a_preempted_job_is_requeued_at_once(slurm_cluster: SlurmCluster, tmp_pa
 def test_a_restart_of_a_completed_run_leaves_it_completed(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """A job that starts again after its run completed (Slurm 24.11 requeues a preempted job once more when its
     next run ends; an administrator's `scontrol requeue`) ends at once: nothing starts, run.json is unchanged."""
-    from relax_core.launch.rundir import RunDir
+    from relax_core.rundir import RunDir
 
     run = RunDir(tmp_path / "run")
     run.path.mkdir()

@@ -20,7 +20,7 @@ import pytest
 from relax_core.config import load_recipe
 from relax_core.launch import container
 from relax_core.launch.container import bind_sources, check_container, recipe_paths, step_prefix
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 PRINT_ENV = "import json, os; print(json.dumps(dict(os.environ)))"

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from relax_core.launch.control import REQUEST_TTL_S, control_folder, read_trusted, write_private
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 ASKED = {"method": "POST", "path": "/v1/scale", "json": {"delta": 1}}
 

@@ -22,9 +22,9 @@ import yaml
 from model_dirs import custom_code_model
 
 from relax_core.cluster.node import JUDGE_RESOURCE, ROLLOUT_RESOURCE, node_resources
+from relax_core.cluster.placement import local_slots
 from relax_core.config import RecipeError, load_recipe
 from relax_core.config.checks import reference_problems
-from relax_core.entrypoints.local_driver import local_slots
 from relax_core.models import tiny
 from relax_core.rewards.genrm import DEFAULT_TEMPLATE
 

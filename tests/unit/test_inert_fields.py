@@ -43,7 +43,7 @@ def test_named_tokenizer_replaces_the_models_own_in_what_every_process_loads(tmp
     from relax_core.checkpoint.hf_export import export_hf
     from relax_core.controller.setup import prepare_model_dir
     from relax_core.data.prompts import encode_prompt
-    from relax_core.launch.rundir import RunDir
+    from relax_core.rundir import RunDir
 
     model_dir = tiny.materialize_tiny_model(tmp_path / "model", alphabet=ALPHABET)
     named = AutoTokenizer.from_pretrained(other_tokenizer(tmp_path / "tok"))
@@ -65,7 +65,7 @@ def test_named_tokenizer_replaces_the_models_own_in_what_every_process_loads(tmp
 
 def test_without_a_named_tokenizer_the_model_directory_is_used_as_is(tmp_path):
     from relax_core.controller.setup import prepare_model_dir
-    from relax_core.launch.rundir import RunDir
+    from relax_core.rundir import RunDir
 
     model_dir = tiny.materialize_tiny_model(tmp_path / "model", alphabet=ALPHABET)
     recipe = load_recipe(hf_recipe(tmp_path, path=str(model_dir)))

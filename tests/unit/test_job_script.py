@@ -17,8 +17,8 @@ import pytest
 from relax_core.config import load_recipe
 from relax_core.errors import RecipeError
 from relax_core.launch.plan import plan_lines
-from relax_core.launch.rundir import RunDir
 from relax_core.launch.slurm import render_job_script
+from relax_core.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from relax_core.cluster.placement import local_cpu_sets
 from relax_core.config.loader import load_recipe
-from relax_core.entrypoints.local_driver import local_cpu_sets
 from relax_core.errors import RecipeError
 from relax_core.launch.executors import executor_named
 from relax_core.launch.preflight import preflight

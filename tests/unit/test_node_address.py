@@ -18,7 +18,7 @@ import pytest
 from relax_core.cluster.address import pick_address
 from relax_core.cluster.node import node_env, pick_node_address
 from relax_core.config import load_recipe
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 

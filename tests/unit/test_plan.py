@@ -20,8 +20,9 @@ import pytest
 import yaml
 from relax_runs import relax
 
+from relax_core.cluster.placement import engine_slot_gpus, trainer_gpu
 from relax_core.config import load_recipe
-from relax_core.launch.plan import engine_slot_gpus, plan_lines, resource_problems, trainer_gpu
+from relax_core.launch.plan import plan_lines, resource_problems
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"

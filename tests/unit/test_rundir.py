@@ -17,9 +17,9 @@ from relax_core.checkpoint.layout import CheckpointError
 from relax_core.checkpoint.owner import check_owner, claim
 from relax_core.config import dump_recipe, load_recipe
 from relax_core.errors import RecipeError, UserError
-from relax_core.launch.rundir import DriverLock, RunDir, file_system, lock_holder
 from relax_core.launch.same_run import check_same_run, fingerprint, stored_recipe
 from relax_core.metrics.tracker import MetricsTracker
+from relax_core.rundir import DriverLock, RunDir, file_system, lock_holder
 
 
 def _writer(path, prefix, count):
@@ -100,7 +100,7 @@ def test_the_fingerprint_ignores_safe_fields_only():
 HOLD = """
 import sys, time
 from pathlib import Path
-from relax_core.launch.rundir import DriverLock, RunDir
+from relax_core.rundir import DriverLock, RunDir
 lock = DriverLock(RunDir(Path(sys.argv[1]))).acquire()
 print("held", flush=True)
 time.sleep(600)
@@ -164,7 +164,7 @@ def test_a_driver_lock_without_flock_is_taken_with_a_warning(tmp_path, monkeypat
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", flock)
-    monkeypatch.setattr("relax_core.launch.rundir._WARNED_NO_LOCKS", set())
+    monkeypatch.setattr("relax_core.rundir._WARNED_NO_LOCKS", set())
     run = RunDir(tmp_path / "run")
     with DriverLock(run):
         run.update_state(state="running")

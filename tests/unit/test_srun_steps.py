@@ -16,7 +16,7 @@ import pytest
 from relax_core.config import load_recipe
 from relax_core.entrypoints.slurm_job import end_steps
 from relax_core.entrypoints.slurm_steps import Allocation, JobSteps, srun_env
-from relax_core.launch.rundir import RunDir
+from relax_core.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = RunDir(Path("/scratch/runs/r1"))
