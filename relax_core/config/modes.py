@@ -61,3 +61,22 @@ def mode_spec(name: str) -> ModeSpec:
     if name not in MODES:
         raise KeyError(f"unknown mode '{name}'; valid modes: {', '.join(MODE_NAMES)}")
     return MODES[name]
+
+
+# What a recipe runs beside the bus, by its mode and algorithm (the `recipe` of relax_core/config/schema.py).
+def reference_service(recipe) -> bool:
+    """The reference log-probs come from the reference workers: fully_async, a reference model, and a node
+    group for it (`cluster.reference`); else the trainer ranks compute them."""
+    return (mode_spec(recipe.mode).field_services and recipe.algorithm.uses_reference
+            and recipe.cluster.reference.nodes > 0)
+
+
+def reference_workers(recipe) -> int:
+    """How many reference workers run: one per GPU of the reference group, or one per node of a CPU group."""
+    own = recipe.cluster.reference
+    return own.nodes * (own.gpus_per_node or 1) if reference_service(recipe) else 0
+
+
+def advantage_service(recipe) -> bool:
+    """The advantages come from the advantage service (fully_async and an outcome-only estimator)."""
+    return mode_spec(recipe.mode).field_services and recipe.algorithm.spec.outcome_only

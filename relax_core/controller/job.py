@@ -24,11 +24,13 @@ from relax_core.cluster.placement import threads_per_process
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
-from relax_core.controller import setup
 from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.workers import TrainerWorker, end_actors
+from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched
+from relax_core.rollout.settings import agentic, engine_video, media_prompts, sampling_config
 from relax_core.rollout.types import Sample
 from relax_core.rundir import RunDir
+from relax_core.train.settings import megatron_options, trainer_config
 
 log = logging.getLogger(__name__)
 ENGINE_KEY = "engine_api_key"
@@ -47,7 +49,7 @@ class Job:
         from relax_core.metrics.tracker import MetricsTracker
         from relax_core.rewards.hub import check_routes
 
-        recipe = setup.with_fetched(recipe, run)  # hub ids: the folders `relax submit` fetched them to
+        recipe = with_fetched(recipe, run)  # hub ids: the folders `relax submit` fetched them to
         self.recipe, self.run = recipe, run
         self.mode = mode_spec(recipe.mode)  # what runs where (config/modes.py)
         self.notifier = notifier
@@ -55,7 +57,7 @@ class Job:
         self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
         self.cpu_sets = cpu_sets or {}
         self.loop = asyncio.new_event_loop()
-        self.model_dir = setup.prepare_model_dir(recipe, run)
+        self.model_dir = prepare_model_dir(recipe, run)
         self._tokenizer_load = None  # colocate: loading in a thread while the engines and trainers start
         self.prompts = build_prompt_source(recipe.data)
         if isinstance(recipe.data, FileData) and recipe.data.reward_key:  # before anything is started
@@ -118,7 +120,7 @@ class Job:
         if not self.mode.rollout_service:  # the driver's rollout manager tokenizes
             from relax_core.models.tokenizer import load_tokenizer
 
-            self._tokenizer_load = _in_thread(load_tokenizer, self.model_dir, setup.trust_remote_code(self.recipe))
+            self._tokenizer_load = _in_thread(load_tokenizer, self.model_dir, trust_remote_code(self.recipe))
         # The first step's log line would wait for these imports (TensorBoard's event writer: 1 s).
         for backend, module in (("tensorboard", "tensorboard.summary.writer.event_file_writer"), ("wandb", "wandb")):
             if self.recipe.logging.uses(backend):
@@ -193,7 +195,7 @@ class Job:
             return self._tokenizer_load.result()
         from relax_core.models.tokenizer import load_tokenizer
 
-        return load_tokenizer(self.model_dir, setup.trust_remote_code(self.recipe))
+        return load_tokenizer(self.model_dir, trust_remote_code(self.recipe))
 
     def _start_services(self) -> None:
         from relax_core.services.launch import ServiceSet
@@ -224,8 +226,8 @@ class Job:
         group = rollout_group_name(self.recipe)
         spec = EngineSpec(str(self.model_dir), str(self.run.logs), self.run.secret(ENGINE_KEY), self._threads(group),
                           self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group),
-                          trust_remote_code=setup.trust_remote_code(self.recipe), engine=ro.engine,
-                          engine_args=server_args(ro), video=setup.engine_video(self.recipe))
+                          trust_remote_code=trust_remote_code(self.recipe), engine=ro.engine,
+                          engine_args=server_args(ro), video=engine_video(self.recipe))
         return EngineSet(self._ray, spec, bucket_bytes=int(self.recipe.train.weight_sync_bucket_mb * 2**20),
                          slots=self.slots, router=self._router(),
                          sources_of=partial(handover_sources, self.recipe) if shares_gpus(self.recipe) else None)
@@ -251,13 +253,13 @@ class Job:
     def _setup_trainers(self) -> list:
         """Each rank's `setup` (its model loaded), once rank 0's rendezvous address is known."""
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
-        config = setup.trainer_config(self.recipe)
+        config = trainer_config(self.recipe)
         from relax_core.controller.colocate import shares_gpus
 
         # On shared GPUs every rank hands its own gathered buckets over (weights/ipc.py): no whole copy kept.
         keep_live = not shares_gpus(self.recipe)
         checkpoint_names = engine_kind(self.recipe.rollout.engine).loads_by_checkpoint_names
-        megatron = setup.megatron_options(self.recipe)
+        megatron = megatron_options(self.recipe)
         return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"),
                                keep_live, checkpoint_names, megatron, self.mode.bus)
                 for t in self.trainers]
@@ -283,12 +285,12 @@ class Job:
 
         clients = self.clients_for(self.engines.endpoints())
         system = self.recipe.data.system_prompt if isinstance(self.recipe.data, FileData) else None
-        sampling = setup.sampling_config(self.recipe)
+        sampling = sampling_config(self.recipe)
         if self._media is None:
-            self._media = setup.media_prompts(self.recipe, self.model_dir)
+            self._media = media_prompts(self.recipe, self.model_dir)
         return RolloutManager(clients, self.tokenizer, sampling, self.reward_hub, system, self._media,
                               self.recipe.data.apply_chat_template, recovery=self.recovery,
-                              agentic=setup.agentic(self.recipe, self.tokenizer))
+                              agentic=agentic(self.recipe, self.tokenizer))
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:

@@ -20,7 +20,7 @@ from relax_core.cluster.placement import local_cpu_sets, local_slots
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe
 from relax_core.controller.driver import run_job, setup_logging
-from relax_core.controller.setup import prepare_model_dir
+from relax_core.models.model_dir import prepare_model_dir
 from relax_core.rundir import RunDir
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Compute nodes of most clusters have no internet. `relax submit` therefore downlo
 recipe names into a shared cache (`cluster.hub_cache`, default `hub-cache` beside the run directory,
 laid out as `HF_HOME`: the snapshots are under `hub/`) before anything is recorded, and writes the
 folder of each into run.json (`hub`: recipe field -> local folder). The job loads those folders
-(`controller/setup.py: with_fetched`); on Slurm every process of it runs with the hub offline (`hub_env`,
+(`models/model_dir.py: with_fetched`); on Slurm every process of it runs with the hub offline (`hub_env`,
 set by the batch step), so nothing on a compute node tries the network. The local executor fetches and
 loads the same way, in the environment it was started with. A cached snapshot is used as is (offline
 first, so a second submit asks the hub nothing); only what is missing is fetched; delete a snapshot's

@@ -223,7 +223,7 @@ def _activations(recipe: Recipe, per_token_layer: float, layers: int, tokens: in
 def _companions(recipe: Recipe, shape: Shape, c: int, ranks: int) -> list[Item]:
     """The critic's state (PPO: a second model of the same size, trained) and the reference model's
     weights when they live in the trainer ranks."""
-    from relax_core.services.launch import reference_service
+    from relax_core.config.modes import reference_service
 
     algo, items = recipe.algorithm, []
     if getattr(algo, "critic", None) is not None:

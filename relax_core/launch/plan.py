@@ -45,7 +45,7 @@ from relax_core.cluster.placement import (
     trainer_gpu,
 )
 from relax_core.config.engines import engine_kind
-from relax_core.config.modes import mode_spec
+from relax_core.config.modes import advantage_service, mode_spec, reference_service
 from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
 
 _PLACEHOLDER = re.compile(r"'(<[\w-]+>[\w./-]*)'")  # shlex quotes `<port>`; the plan shows it bare
@@ -122,12 +122,10 @@ class _Planner:
         return rows + [self.driver()]
 
     def trainers(self) -> list[Row]:
-        from relax_core.services import launch
-
         r = self.recipe
         models = [name for name, on in (("the critic", r.algorithm.spec.needs_critic),
                                          ("the reference model", r.algorithm.uses_reference
-                                          and not launch.reference_service(r)),
+                                          and not reference_service(r)),
                                          ("the teacher", r.algorithm.spec.needs_teacher)) if on]
         what = r.train.backend + (f", with {' and '.join(models)}" if models else "")
         names = [f"trainer rank {rank} ({what})" for rank in range(r.train_ranks)]
@@ -159,15 +157,13 @@ class _Planner:
 
     def services(self) -> list[Row]:
         """What services/launch.py starts in the asynchronous modes, and beside which process."""
-        from relax_core.services import launch
-
         r = self.recipe
         engine0 = self.engines()[0]
         near_engines = (engine0.group, engine0.node, self.cpu(engine0.group, threads=1))
         rows = [Row(*near_engines, "rollout service (beside engine 0)")]
-        if launch.reference_service(r):
+        if reference_service(r):
             rows += self.reference_workers()
-        if launch.advantage_service(r):
+        if advantage_service(r):
             rows.append(Row(*near_engines, "advantage service (beside engine 0)"))
         return rows
 
@@ -192,8 +188,9 @@ class _Planner:
 
     def commands(self, python: str) -> list[tuple[str, list[str]]]:
         """(name, argv) of every engine server the run starts: the rollout engines, then the judge's."""
-        from relax_core.controller.setup import engine_video, trust_remote_code
         from relax_core.controller.workers import cpu_engine_command
+        from relax_core.models.model_dir import trust_remote_code
+        from relax_core.rollout.settings import engine_video
 
         r = self.recipe
         ro, model_dir, threads = r.rollout, _model_dir_of(r)[0], self.threads(rollout_group_name(r))

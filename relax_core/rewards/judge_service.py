@@ -48,7 +48,7 @@ class JudgeService:
         section = recipe.reward.genrm
         if section is None:
             return cls(ray)
-        from relax_core.controller.setup import resolve_model_path
+        from relax_core.models.model_dir import resolve_model_path
 
         run.write_secret(JUDGE_KEY)
         service = cls(ray, run.secret(JUDGE_KEY))

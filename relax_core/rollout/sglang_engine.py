@@ -94,7 +94,7 @@ def server_command(*, python: str, model_dir: str, host: str, port: int, tp_size
 def recipe_server_command(recipe: Recipe, index: int, *, python: str, model_dir: str, host: str,
                           port: int) -> list[str]:
     """The argv of engine `index` of `recipe` (what `EngineWorker` starts from the values the job gives it)."""
-    from relax_core.controller.setup import trust_remote_code
+    from relax_core.models.model_dir import trust_remote_code
 
     ro = recipe.rollout
     return server_command(python=python, model_dir=model_dir, host=host, port=port, tp_size=ro.gpus_per_engine,

@@ -19,27 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_core.config.modes import mode_spec
+from relax_core.config.modes import advantage_service, reference_service, reference_workers
 from relax_core.services.fields import ADVANTAGE_COLUMN, REFERENCE_COLUMN
 from relax_core.services.rollout import Downstream
-
-
-def reference_service(recipe) -> bool:
-    """The reference log-probs come from the reference workers: fully_async, a reference model, and a node
-    group for it (`cluster.reference`); else the trainer ranks compute them."""
-    return (mode_spec(recipe.mode).field_services and recipe.algorithm.uses_reference
-            and recipe.cluster.reference.nodes > 0)
-
-
-def reference_workers(recipe) -> int:
-    """How many reference workers run: one per GPU of the reference group, or one per node of a CPU group."""
-    own = recipe.cluster.reference
-    return own.nodes * (own.gpus_per_node or 1) if reference_service(recipe) else 0
-
-
-def advantage_service(recipe) -> bool:
-    """The advantages come from the advantage service (fully_async and an outcome-only estimator)."""
-    return mode_spec(recipe.mode).field_services and recipe.algorithm.spec.outcome_only
 
 
 def advantage_stage(recipe):
@@ -63,7 +45,7 @@ class ServiceSet:
     @classmethod
     def start(cls, ray, recipe, *, model_dir: str, api_key: str, trainer0, engine0, cpu_sets: dict) -> ServiceSet:
         from relax_core.cluster.node import REFERENCE_RESOURCE
-        from relax_core.controller import setup
+        from relax_core.models.model_dir import trust_remote_code
         from relax_core.services.fields import AdvantageWorker, ReferenceWorker
         from relax_core.services.placement import beside, on_group
         from relax_core.services.rollout import RolloutService
@@ -82,7 +64,7 @@ class ServiceSet:
             worker = ray.remote(ReferenceWorker)
             for _ in range(reference_workers(recipe)):
                 handle = worker.options(**placed).remote(model_dir, recipe.model.dtype, recipe.train.micro_batch_size,
-                                                         threads, cpus, setup.trust_remote_code(recipe), device)
+                                                         threads, cpus, trust_remote_code(recipe), device)
                 services.downstream.append(Downstream("reference", handle))
             services.fields += (REFERENCE_COLUMN,)
         if advantage_service(recipe):

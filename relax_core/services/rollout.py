@@ -70,10 +70,11 @@ class RolloutService:
         import torch
 
         from relax_core.config.schema import FileData
-        from relax_core.controller import setup
         from relax_core.controller.workers import pin_process
         from relax_core.data.prompts import build_prompt_source
+        from relax_core.models.model_dir import trust_remote_code
         from relax_core.models.tokenizer import load_tokenizer
+        from relax_core.rollout.settings import media_prompts
 
         if cpus:
             pin_process(cpus)
@@ -83,11 +84,11 @@ class RolloutService:
         import_tq()  # now, while the engines load; attached in `start`, once the driver started it
         self.recipe, self.api_key, self.trainer0 = recipe, api_key, trainer0
         self.loop = asyncio.new_event_loop()
-        tokenizer = load_tokenizer(model_dir, setup.trust_remote_code(recipe))
+        tokenizer = load_tokenizer(model_dir, trust_remote_code(recipe))
         self.prompts = build_prompt_source(recipe.data)
         self.tokenizer = tokenizer
         self.system = recipe.data.system_prompt if isinstance(recipe.data, FileData) else None
-        self.media = setup.media_prompts(recipe, model_dir)  # its worker processes start on first use
+        self.media = media_prompts(recipe, model_dir)  # its worker processes start on first use
         self.reward_hub = self.manager = self.bus = None
         self.engine_version = 0
         self.downstream: list[Downstream] = []
@@ -121,18 +122,18 @@ class RolloutService:
         """Produce steps `first`..`last`, from the prompt cursor `data_state`, through `endpoints`, whose
         engines hold `engine_version` (= the trainer's newest), asking `downstream` to process each step;
         `judge`: where the judge engines of `reward.genrm` serve."""
-        from relax_core.controller import setup
         from relax_core.data.bus import SampleBus
         from relax_core.rewards.hub import RewardHub
         from relax_core.rollout.manager import RolloutManager
+        from relax_core.rollout.settings import agentic, sampling_config
 
         self.bus = SampleBus.attach()
         self.prompts.load_state_dict(data_state)
         self.reward_hub = RewardHub.from_config(self.recipe.reward, judge=judge)
-        self.manager = RolloutManager(self._clients(endpoints), self.tokenizer, setup.sampling_config(self.recipe),
+        self.manager = RolloutManager(self._clients(endpoints), self.tokenizer, sampling_config(self.recipe),
                                       self.reward_hub, self.system, self.media, self.recipe.data.apply_chat_template,
                                       recovery=_DriverRecovery(self),
-                                      agentic=setup.agentic(self.recipe, self.tokenizer))
+                                      agentic=agentic(self.recipe, self.tokenizer))
         self.engine_version = self._version = engine_version
         self.downstream = downstream
         self._thread = threading.Thread(target=self._run, args=(first, last), name="relax-rollout", daemon=True)

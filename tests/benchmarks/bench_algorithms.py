@@ -3,7 +3,7 @@
 Runs the quick-start loop in one process (the sampler of
 tests/integration/test_learning.py stands in for the engine; the trainer is
 configured from recipes/quickstart.yaml with `algorithm.name` switched, via
-`setup.trainer_config`) and prints, per algorithm, the mean reward of the
+`train/settings.py: trainer_config`) and prints, per algorithm, the mean reward of the
 first and last 5 steps (the task reward of each step's first generation round,
 before DAPO's overlong shaping and filtering), the lift and the wall time. Not part of the test
 suite (minutes per algorithm):

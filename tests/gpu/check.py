@@ -144,7 +144,7 @@ def recipe_config(path: Path, algorithm: str, device: str, overrides: tuple[str,
 
     from relax_core.config.loader import parse_override, read_recipe_file, set_dotted
     from relax_core.config.schema import Recipe
-    from relax_core.controller.setup import trainer_config
+    from relax_core.train.settings import trainer_config
 
     raw, _ = read_recipe_file(path)
     if raw["algorithm"]["name"] != algorithm:
@@ -273,8 +273,8 @@ def _allocate(nbytes: int, out: str) -> None:
 # -------------------------------------------------------------- megatron
 def part_megatron(ctx: dict) -> dict:
     from relax_core.config.loader import load_recipe
-    from relax_core.controller.setup import megatron_options
     from relax_core.train.megatron.trainer import MegatronTrainer, ensure_world
+    from relax_core.train.settings import megatron_options
 
     checks = Checks()
     options = megatron_options(load_recipe(MEGATRON_RECIPE, ["train.tensor_parallel=1", "cluster.train.gpus_per_node=1",

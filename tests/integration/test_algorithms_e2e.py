@@ -1,7 +1,7 @@
 """Every algorithm Relax runs trains on the quick start without NaN, through the recipe's own wiring.
 
 The recipe is recipes/quickstart.yaml with `algorithm.name` switched; the
-trainer's settings come from `setup.trainer_config` (the same mapping a
+trainer's settings come from `trainer_config` (the same mapping a
 `relax submit` uses), and a few steps of the quick-start loop run in one
 process (the sampler of test_learning.py stands in for the engine). A user
 switching `algorithm.name` relies on this: the run starts, the loss and
@@ -20,9 +20,9 @@ from test_learning import ALPHABET, LENGTH, PROMPTS, rollout
 from relax_core.algorithms.specs import algorithm_names
 from relax_core.config.loader import load_recipe
 from relax_core.controller.sampling_rounds import collect_batch
-from relax_core.controller.setup import trainer_config
 from relax_core.data.synthetic import SyntheticTask
 from relax_core.rewards.registry import get_reward
+from relax_core.train.settings import trainer_config
 from relax_core.train.torch_backend import TorchTrainer
 
 STEPS = 3

@@ -257,7 +257,7 @@ def test_recomputed_activations_save_less_for_backward_and_give_the_same_gradien
 
 def test_the_recipe_fields_reach_the_trainer():
     from relax_core.config.loader import load_recipe
-    from relax_core.controller.setup import trainer_config
+    from relax_core.train.settings import trainer_config
 
     quickstart = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
     plain = trainer_config(load_recipe(quickstart))

@@ -106,8 +106,8 @@ def test_the_runs_video_settings_reach_the_engines_command_line(tmp_path):
     import yaml
 
     from relax_core.config import load_recipe
-    from relax_core.controller.setup import engine_video
     from relax_core.controller.workers import cpu_engine_command
+    from relax_core.rollout.settings import engine_video
 
     recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "quickstart_vlm.yaml").read_text())
     recipe["data"] = {"source": "file", "path": str(tmp_path / "d.jsonl"), "video_key": "clip", "video_fps": 8.0,

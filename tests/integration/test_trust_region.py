@@ -7,7 +7,7 @@ critic's value clip) changes the trained weights, and the step reports how
 often the clip was active (`clipfrac`) and the ratio's range. With one
 optimizer step (the default) the ratio is exactly 1 and the same parameters
 change nothing, bit for bit: that is why the recipe needs the two fields.
-Every run goes through the recipe (`setup.trainer_config`), so a field that
+Every run goes through the recipe (`trainer_config`), so a field that
 stopped reaching the trainer fails here. The recipe refuses a batch size
 that does not cut the step into whole optimizer steps (exit 2).
 """
@@ -31,9 +31,9 @@ from gloo_exit import leave_group
 
 from relax_core.config import RecipeError, load_recipe
 from relax_core.config.schema import Recipe
-from relax_core.controller.setup import trainer_config
 from relax_core.rollout.types import Sample
 from relax_core.train.batching import shard
+from relax_core.train.settings import trainer_config
 from relax_core.train.torch_backend import TorchTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -5,7 +5,7 @@ the whole batch, groups ignored), registered with the decorator where it is
 defined, and one spec names it with the ppo_clip loss. No other module is
 edited, yet the real recipe loader accepts `algorithm.name: toy_baseline`,
 `relax list algorithms` shows it, `fully_async` computes its advantages on the
-rollout side, and TorchTrainer, configured by `setup.trainer_config` as
+rollout side, and TorchTrainer, configured by `trainer_config` as
 `relax submit` does, trains a step with its advantages. The fixture removes
 both registrations afterwards.
 """
@@ -98,8 +98,8 @@ def test_fully_async_computes_its_advantages_on_the_rollout_side(toy_algorithm):
 
 
 def test_the_trainer_takes_a_step_with_its_advantages(toy_algorithm, tmp_path, one_torch_thread):
-    from relax_core.controller.setup import trainer_config
     from relax_core.models.tiny import materialize_tiny_model
+    from relax_core.train.settings import trainer_config
     from relax_core.train.torch_backend import TorchTrainer
 
     recipe = load_recipe(QUICKSTART, [f"algorithm.name={toy_algorithm}"])

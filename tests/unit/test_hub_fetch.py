@@ -102,8 +102,8 @@ def test_an_id_that_cannot_be_fetched_exits_2_naming_the_field_and_writes_no_run
 
 
 def test_the_job_runs_the_fetched_folders_and_reads_only_its_split(tmp_path):
-    from relax_core.controller.setup import with_fetched
     from relax_core.data.prompts import load_rows
+    from relax_core.models.model_dir import with_fetched
     from relax_core.rundir import RunDir
 
     repos = tiny_repos(tmp_path / "served")

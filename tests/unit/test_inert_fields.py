@@ -41,8 +41,8 @@ def test_named_tokenizer_replaces_the_models_own_in_what_every_process_loads(tmp
 
     from relax_core.checkpoint import save_checkpoint
     from relax_core.checkpoint.hf_export import export_hf
-    from relax_core.controller.setup import prepare_model_dir
     from relax_core.data.prompts import encode_prompt
+    from relax_core.models.model_dir import prepare_model_dir
     from relax_core.rundir import RunDir
 
     model_dir = tiny.materialize_tiny_model(tmp_path / "model", alphabet=ALPHABET)
@@ -64,7 +64,7 @@ def test_named_tokenizer_replaces_the_models_own_in_what_every_process_loads(tmp
 
 
 def test_without_a_named_tokenizer_the_model_directory_is_used_as_is(tmp_path):
-    from relax_core.controller.setup import prepare_model_dir
+    from relax_core.models.model_dir import prepare_model_dir
     from relax_core.rundir import RunDir
 
     model_dir = tiny.materialize_tiny_model(tmp_path / "model", alphabet=ALPHABET)
@@ -82,8 +82,8 @@ def test_a_tokenizer_that_is_neither_a_folder_nor_a_hub_id_is_refused(tmp_path):
 
 # -------------------------------------------------------------- model.trust_remote_code
 def test_trust_remote_code_reaches_the_trainers_and_the_critics_loader(tmp_path):
-    from relax_core.controller.setup import trainer_config
     from relax_core.train.critic import ValueModel
+    from relax_core.train.settings import trainer_config
     from relax_core.train.torch_backend import load_causal_lm
 
     model_dir = custom_code_model(tmp_path / "model")

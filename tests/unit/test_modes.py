@@ -24,7 +24,7 @@ QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
     ("colocate", ["algorithm.tis_cap=3.5"], 3.5),
 ])
 def test_truncated_importance_sampling_is_on_by_default_in_the_async_modes(mode, overrides, cap):
-    from relax_core.controller.setup import trainer_config
+    from relax_core.train.settings import trainer_config
 
     recipe = load_recipe(QUICKSTART, [f"mode={mode}", *overrides])
     assert trainer_config(recipe).tis_cap == cap

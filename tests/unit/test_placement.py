@@ -20,8 +20,8 @@ from sim_device import DEVICE, DeviceMismatch, SimDevice
 
 from relax_core.algorithms.specs import algorithm_names
 from relax_core.config.loader import load_recipe
-from relax_core.controller.setup import trainer_config
 from relax_core.rollout.types import Sample
+from relax_core.train.settings import trainer_config
 from relax_core.train.torch_backend import TorchTrainer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

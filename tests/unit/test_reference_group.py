@@ -151,8 +151,8 @@ def test_the_batch_step_starts_the_reference_nodes_ray_worker_in_het_group_2():
     (["mode=fully_async", "algorithm.kl.coef=0.01"], 0),  # no group: the trainer ranks hold the reference
 ])
 def test_reference_workers_run_only_on_a_group_of_their_own_one_per_gpu(overrides, workers):
-    from relax_core.controller.setup import trainer_config
-    from relax_core.services.launch import reference_service, reference_workers
+    from relax_core.config.modes import reference_service, reference_workers
+    from relax_core.train.settings import trainer_config
 
     recipe = load_recipe(QUICKSTART, overrides)
     assert reference_workers(recipe) == workers
@@ -163,8 +163,8 @@ def test_reference_workers_run_only_on_a_group_of_their_own_one_per_gpu(override
 @pytest.mark.parametrize("mode", ["fully_async", "hybrid", "colocate"])
 def test_logp_old_and_the_critic_are_the_trainers_own_in_every_mode(mode):
     """What depends on the weights a step starts from is computed by the trainer ranks: no service for it."""
-    from relax_core.controller.setup import trainer_config
     from relax_core.services import launch
+    from relax_core.train.settings import trainer_config
 
     recipe = load_recipe(QUICKSTART, [f"mode={mode}", "algorithm.name=ppo", "algorithm.critic.lr=1e-3",
                                       "train.ppo_epochs=2"])
