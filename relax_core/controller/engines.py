@@ -236,7 +236,7 @@ class EngineSet:
         that failed half-way), then end their actors."""
         if self.router is not None:
             self.router.stop()
-        from relax_core.controller.workers import end_actors
+        from relax_core.cluster.actors import end_actors
 
         started = [a for a in [*self.actors.values(), *self._launched, *self._extra] if a is not None]
         end_actors(self._ray, list({id(a): a for a in started}.values()), "engines")

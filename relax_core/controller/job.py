@@ -20,12 +20,13 @@ from concurrent.futures import Future
 from functools import cached_property, partial
 from typing import Any
 
+from relax_core.cluster.actors import end_actors
 from relax_core.cluster.placement import threads_per_process
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller.restarts import TrainerWatch
-from relax_core.controller.workers import TrainerWorker, end_actors
+from relax_core.controller.workers import TrainerWorker
 from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched
 from relax_core.rollout.settings import agentic, engine_video, media_prompts, sampling_config
 from relax_core.rollout.types import Sample
@@ -148,11 +149,11 @@ class Job:
 
     def _start_control(self) -> None:
         """The scale operations (elastic.py) and the control API that takes them (api.py)."""
+        from relax_core.cluster.actors import node_ip
         from relax_core.cluster.placement import engines_per_node, local_engine_capacity
         from relax_core.controller.api import ControlApi
         from relax_core.controller.elastic import Elastic
         from relax_core.controller.recovery import EngineRecovery
-        from relax_core.controller.workers import node_ip
         from relax_core.launch.scale_jobs import ScaleJobRequests
 
         executor = self.run.read_state().get("executor") or "local"
@@ -236,7 +237,7 @@ class Job:
         """The router in front of the engines, when the recipe asks for one (`rollout.router`)."""
         if not self.recipe.rollout.uses_router:
             return None
-        from relax_core.controller.workers import node_ip
+        from relax_core.cluster.actors import node_ip
         from relax_core.rollout.router import Router
 
         return Router(node_ip(), None, str(self.model_dir), self.run.secret(ENGINE_KEY),
@@ -427,7 +428,7 @@ class Job:
         services whose actor died: one line each, naming it (restarts.py)."""
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        from relax_core.controller.recovery import describe
+        from relax_core.cluster.actors import describe
 
         known = {p["rank"]: p for p in self.run.read_state().get("trainers") or []}
         lost = []

@@ -34,27 +34,12 @@ import time
 from collections import deque
 from typing import Any
 
+from relax_core.cluster.actors import describe
+from relax_core.rollout.client import EngineFailed
+
 log = logging.getLogger(__name__)
 
 HOUR_S = 3600.0
-
-
-def describe(error: BaseException) -> str:
-    """One line for why a request failed (a Ray task's error: what the task raised)."""
-    while getattr(error, "cause", None) is not None and error.cause is not error:  # ray.exceptions.RayTaskError
-        error = error.cause
-    while isinstance(error.__cause__, BaseException) and "WeightSyncError" in type(error).__name__:
-        error = error.__cause__
-    first = (str(error).splitlines() or [""])[0]
-    return first[:300] if isinstance(error, RequestFailed) else f"{type(error).__name__}: {first[:300]}"
-
-
-class RequestFailed(RuntimeError):
-    """A request failed in another process (the rollout service's), described there."""
-
-
-class EngineFailed(RuntimeError):
-    """An engine cannot be replaced (again): the run ends with this message."""
 
 
 class EngineRecovery:

@@ -25,8 +25,9 @@ import logging
 import threading
 import time
 
-from relax_core.controller.recovery import EngineFailed, describe
+from relax_core.cluster.actors import describe
 from relax_core.errors import UserError
+from relax_core.rollout.client import EngineFailed
 
 log = logging.getLogger(__name__)
 

@@ -201,7 +201,8 @@ class RecoveryDesk:
         self._thread.start()
 
     def _run(self) -> None:
-        from relax_core.controller.recovery import EngineFailed, RequestFailed, describe
+        from relax_core.cluster.actors import RequestFailed, describe
+        from relax_core.rollout.client import EngineFailed
 
         job, loop = self.job, asyncio.new_event_loop()
         rollout, recovery = job.services.rollout, job.recovery

@@ -30,49 +30,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from relax_core.cluster.actors import accelerator, node_ip, pin_process
 from relax_core.cluster.lifetime import die_with_parent
 from relax_core.cluster.ports import listening_socket
 from relax_core.config.engines import engine_kind
 
 log = logging.getLogger(__name__)
 RENDEZVOUS_TIMEOUT = 600  # seconds the data-parallel ranks wait for each other
-
-
-def node_ip() -> str:
-    """The address this node's servers bind to: the one the node was started with
-    (RELAX_NODE_IP, set by the executor for every Ray node), else Ray's view."""
-    if os.environ.get("RELAX_NODE_IP"):
-        return os.environ["RELAX_NODE_IP"]
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-def end_actors(ray, actors: list, what: str, method: str = "stop", timeout_s: float = 30) -> None:
-    """Call `method` on every actor (it stops what the actor started), then end their processes now,
-    not whenever the handles are collected. Shutting down: a failure is reported, the rest go on."""
-    refs = [getattr(actor, method).remote() for actor in actors]
-    try:
-        ray.get(refs, timeout=timeout_s)
-    except Exception as exc:
-        from relax_core.controller.recovery import describe
-
-        log.warning("stopping %d %s failed: %s", len(refs), what, describe(exc))
-    for actor in actors:
-        ray.kill(actor)
-
-
-def pin_process(cpus: list[int]) -> None:
-    """Run every thread of this process (and the threads they start later) on `cpus`.
-
-    `sched_setaffinity(0)` would pin only the calling thread; an actor's
-    methods may run on other threads of its pool.
-    """
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # the thread ended meanwhile
-            pass
 
 
 def collective_backend(device: str = "cpu") -> str:
@@ -83,20 +47,6 @@ def collective_backend(device: str = "cpu") -> str:
 def trainer_device(config) -> str:
     """The trainer rank's device as its config says (`accelerator`)."""
     return accelerator(config.device, "cluster.train.gpus_per_node")
-
-
-def accelerator(device: str, field: str) -> str:
-    """`cuda` (the GPU Ray gave this actor, which CUDA_VISIBLE_DEVICES makes device 0) or `cpu`, as asked; a
-    GPU asked for (the recipe's `field` > 0) on a node whose GPUs torch cannot see is an error naming them."""
-    if device != "cuda":
-        return "cpu"
-    import torch
-
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"{field} > 0, but torch sees no GPU on this node "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-    torch.cuda.set_device(0)
-    return "cuda"
 
 
 def set_aside(named, parameters) -> list:

@@ -90,7 +90,7 @@ class JudgeService:
 
     def stop(self) -> None:
         """Stop every judge engine server by its PID, then end its actor (idempotent)."""
-        from relax_core.controller.workers import end_actors
+        from relax_core.cluster.actors import end_actors
 
         actors, self.actors, self._ready = self.actors, [], []
         end_actors(self._ray, actors, "judge engines")

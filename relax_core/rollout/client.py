@@ -48,6 +48,10 @@ class EngineError(RuntimeError):
         self.message = message
 
 
+class EngineFailed(RuntimeError):
+    """An engine cannot be replaced (again): the run ends with this message."""
+
+
 class EngineUnreachable(ConnectionError):
     """A request to an engine failed below HTTP: it could not connect, the connection dropped, or the
     answer did not come in time. `dropped`: the connection closed under a request that was sent (the

@@ -44,7 +44,7 @@ class _FieldWorker:
     def __init__(self, threads: int, cpus: list[int] | None):
         import torch
 
-        from relax_core.controller.workers import pin_process
+        from relax_core.cluster.actors import pin_process
         from relax_core.data.bus import import_tq
 
         if cpus:
@@ -94,7 +94,7 @@ class ReferenceWorker(_FieldWorker):
                  cpus: list[int] | None = None, trust_remote_code: bool = False, device: str = "cpu"):
         """`device`: "cuda" on a reference group with GPUs (Ray gives this actor one, device 0), else "cpu"."""
         super().__init__(threads, cpus)
-        from relax_core.controller.workers import accelerator
+        from relax_core.cluster.actors import accelerator
         from relax_core.train.torch_backend import load_causal_lm
 
         self.device = accelerator(device, "cluster.reference.gpus_per_node")

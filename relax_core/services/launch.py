@@ -88,7 +88,7 @@ class ServiceSet:
 
     def stop(self, ray) -> None:
         """Stop every service: its thread and clients first, then its process."""
-        from relax_core.controller.workers import end_actors
+        from relax_core.cluster.actors import end_actors
 
         end_actors(ray, [self.rollout, *(d.handle for d in self.downstream)], "services", method="close", timeout_s=60)
 

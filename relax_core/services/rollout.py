@@ -69,8 +69,8 @@ class RolloutService:
         engines (`reward.genrm`) and TransferQueue."""
         import torch
 
+        from relax_core.cluster.actors import pin_process
         from relax_core.config.schema import FileData
-        from relax_core.controller.workers import pin_process
         from relax_core.data.prompts import build_prompt_source
         from relax_core.models.model_dir import trust_remote_code
         from relax_core.models.tokenizer import load_tokenizer
@@ -197,7 +197,7 @@ class RolloutService:
 
     def _await_recovery(self, why: str) -> list[str]:
         """Ask the driver to replace the engines that failed; their new endpoints (controller/recovery.py)."""
-        from relax_core.controller.recovery import EngineFailed
+        from relax_core.rollout.client import EngineFailed
 
         with self._cond:
             self._recovery_asked, self._recovery_answer = why, None
@@ -301,7 +301,7 @@ class RolloutService:
 
         if self._version <= self.engine_version:
             return 0.0
-        from relax_core.controller.recovery import describe
+        from relax_core.cluster.actors import describe
 
         start = time.perf_counter()
         version = self._version
@@ -325,7 +325,7 @@ class _DriverRecovery:
         self.service = service
 
     async def recover(self, error: Exception) -> list:
-        from relax_core.controller.recovery import describe
+        from relax_core.cluster.actors import describe
 
         endpoints = await asyncio.to_thread(self.service._await_recovery, describe(error))
         return self.service._clients(endpoints)

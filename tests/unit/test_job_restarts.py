@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from relax_core.controller.recovery import EngineFailed
 from relax_core.controller.restarts import JobRestarts, RestartLimit
 from relax_core.errors import RecipeError
+from relax_core.rollout.client import EngineFailed
 
 
 def job(tmp_path, lost=(), stopping=False):

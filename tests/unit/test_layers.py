@@ -52,12 +52,8 @@ STILL_UPWARD = {
     ("rollout/manager.py", "relax_core.rewards.hub"),
     ("rollout/tool_worker.py", "relax_core.rewards.worker"),
     ("rollout/tools.py", "relax_core.rewards.pool"),
-    ("services/fields.py", "relax_core.controller.workers"),
-    ("services/launch.py", "relax_core.controller.workers"),
     ("services/rollout.py", "relax_core.controller.preemption"),
-    ("services/rollout.py", "relax_core.controller.recovery"),
     ("services/rollout.py", "relax_core.controller.sampling_rounds"),
-    ("services/rollout.py", "relax_core.controller.workers"),
 }
 
 
