@@ -52,11 +52,7 @@ def placed(dense, tmp_path_factory):
     return run
 
 
-# One rank in float32 is the simpler case of two pipeline stages in bfloat16: the full tier.
-@pytest.mark.parametrize("layout", [pytest.param("one-rank-fp32", marks=pytest.mark.full(
-    covered_by="tests/integration/test_megatron_gpu_path.py::"
-               "test_a_step_on_an_accelerator_keeps_every_tensor_there_and_gives_the_cpus_numbers[pp2-bf16]")),
-    "pp2-bf16"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_step_on_an_accelerator_keeps_every_tensor_there_and_gives_the_cpus_numbers(placed, dense, layout):
     runs = placed(layout)
     sim, cpu = runs["meta"], runs["cpu"]
