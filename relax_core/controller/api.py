@@ -18,7 +18,7 @@ token is the run's `secrets/api_token` (mode 0600, in a folder of mode 0700);
 run.json records the URL (`api_url`) and the token's path (`api_token_file`),
 which is how programs on the cluster's network find both. The CLI, often on a login
 node that cannot reach the driver's node, asks through the run directory instead
-(launch/control.py): the driver relays each request its own user wrote there to
+(relax_core/run_requests.py): the driver relays each request its own user wrote there to
 this API and writes the answer back. Every answer is JSON; an error is
 `{"error": message}` with 400 (impossible), 401, 404 or 409 (an operation is
 running; a non-pending one cannot be cancelled).
@@ -35,7 +35,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from relax_core.controller.elastic import Elastic, ScaleError
+from relax_core.controller.elastic import Elastic
+from relax_core.controller.scale_ops import ScaleError
 
 log = logging.getLogger(__name__)
 TOKEN_NAME = "api_token"
@@ -191,9 +192,9 @@ class ControlApi:
                  self.run.path / "control")
 
     def _relay(self) -> None:
-        """Carry out the requests the CLI leaves in the run directory (launch/control.py) by asking this API,
+        """Carry out the requests the CLI leaves in the run directory (relax_core/run_requests.py) by asking this API,
         and write each answer back; what this user did not write alone is removed unread."""
-        from relax_core.launch.control import control_folder
+        from relax_core.run_requests import control_folder
 
         folder = control_folder(self.run)
         headers = {"Authorization": f"Bearer {self.run.secret(TOKEN_NAME)}"}
@@ -207,7 +208,7 @@ class ControlApi:
     def _answer(self, request, headers: dict[str, str]) -> None:
         import httpx
 
-        from relax_core.launch.control import read_trusted, write_private
+        from relax_core.run_requests import read_trusted, write_private
 
         try:
             asked = read_trusted(request)

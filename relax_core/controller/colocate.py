@@ -48,17 +48,17 @@ def train_colocate(job: Job) -> str:
         try:
             samples, rollout_s = timed(job.rollout, step)
         except Preempted:
-            return job.stop_here()
+            return job.progress.stop_here()
         check_distinct(step, samples)
         train_metrics, train_s = timed(train_step, job, samples)
         sync_stats, sync_s = timed(sync_weights, job, step)
         job.log(step, step_metrics(samples, rollout_s, train_s, sync_s, job.policy_version)
                 | job.rollout_manager.last_reward_stats | engine_stats | train_metrics | sync_stats)
-        job.step_done(step)
+        job.progress.step_done(step)
         if step % job.recipe.checkpoint.interval == 0 or step == total:
-            job.checkpoint(step)
+            job.progress.checkpoint(step)
         if job.stop.is_set() and step < total:
-            return job.stop_here()
+            return job.progress.stop_here()
     return "completed"
 
 

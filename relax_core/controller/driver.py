@@ -29,10 +29,10 @@ def setup_logging(run: RunDir) -> None:
 
 
 def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None,
-            cpu_sets: dict[str, list[int]] | None = None) -> str:
+            cpu_sets: dict[str, list[int]] | None = None, scale_out=None) -> str:
     """Run the training loop to the end, or until `stop` is set (then checkpoint). A job that lost a trainer
     rank or a service starts again from its latest checkpoint, at most `recovery.max_restarts` times
-    (controller/restarts.py).
+    (controller/restarts.py). `cpu_sets` and `scale_out`: the executor's, as `Job` takes them.
 
     Returns:
         "completed", or "stopped" when `stop` ended the run early.
@@ -47,7 +47,8 @@ def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | N
     restarts = JobRestarts(recipe.recovery.max_restarts)
     try:
         while True:
-            outcome = _attempt(recipe, run, console, stop, cpu_sets, notifier, train_loop, restarts)
+            outcome = _attempt(recipe, run, console, stop, {"cpu_sets": cpu_sets, "scale_out": scale_out},
+                               notifier, train_loop, restarts)
             if outcome != "restart":
                 return outcome
     except BaseException as exc:
@@ -58,20 +59,20 @@ def run_job(recipe: Recipe, run: RunDir, console=None, stop: threading.Event | N
         notifier.close()
 
 
-def _attempt(recipe, run, console, stop, cpu_sets, notifier, train_loop, restarts) -> str:
+def _attempt(recipe, run, console, stop, placed: dict, notifier, train_loop, restarts) -> str:
     """One job from start to end: its outcome, or "restart" when it failed in a way a restart mends."""
     from relax_core.controller.job import Job
     from relax_core.controller.preemption import abort_generation_on_stop
 
     job = None
     try:
-        job = Job(recipe, run, console, stop=stop, cpu_sets=cpu_sets, notifier=notifier, restarted=restarts.count > 0)
+        job = Job(recipe, run, console, stop=stop, notifier=notifier, restarted=restarts.count > 0, **placed)
         with abort_generation_on_stop(job):
             outcome = train_loop(job)
         if outcome == "completed":
             notifier.finished(recipe.train.steps)
         else:
-            notifier.stopped(job.completed[0])
+            notifier.stopped(job.progress.completed[0])
         return outcome
     except Exception as exc:
         cause = restarts.cause(exc, job)  # raises RestartLimit past recovery.max_restarts
@@ -80,8 +81,9 @@ def _attempt(recipe, run, console, stop, cpu_sets, notifier, train_loop, restart
         run.update_state(job_restarts=restarts.history)
         if console is not None:
             console.print(f"restart {restarts.count} of at most {restarts.limit}: {cause}; resuming from the "
-                          f"checkpoint of step {job.checkpointed}", style="yellow", highlight=False, markup=False)
-        notifier.restarted(restarts.count, restarts.limit, cause, job.checkpointed)
+                          f"checkpoint of step {job.progress.checkpointed}", style="yellow", highlight=False,
+                          markup=False)
+        notifier.restarted(restarts.count, restarts.limit, cause, job.progress.checkpointed)
         return "restart"
     finally:
         if job is not None:

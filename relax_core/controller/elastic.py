@@ -28,15 +28,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
-import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from relax_core.cluster.node import scale_resource
+from relax_core.controller.scale_ops import Engine, ScaleError, ScaleOp, check_engine_url, engine_pids, host_of
+from relax_core.controller.scale_out import ScaleOut
+from relax_core.rollout.client import answers_health
 
 log = logging.getLogger(__name__)
 
@@ -44,75 +43,6 @@ WATCH_S = 0.25  # how often the watcher advances the operations
 HEALTH_EVERY_S = 2.0  # how often an added engine is asked whether it is still there
 LOST_AFTER = 3  # failed health checks in a row before an added engine counts as gone
 URL_HEALTH_TIMEOUT_S = 60.0  # an engine added by URL must answer /health within this
-FINAL = ("active", "stopped", "failed", "cancelled")
-URL_PATTERN = re.compile(r"^https?://[^/\s]+:\d+/?$")
-
-
-class ScaleError(Exception):
-    """A request the API refuses: `status` is its HTTP code (400 impossible, 404 unknown, 409 busy)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
-def _iso(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 1000):03d}"
-
-
-@dataclass
-class Engine:
-    """One rollout engine of the run, as the API shows it."""
-
-    id: str
-    origin: str  # "original" (started with the run), "added" (by a scale-out), "external" (added by URL)
-    url: str | None = None
-    op: str | None = None  # the scale-out that brought it
-    node: str | None = None
-    state: str = "active"  # starting, healthy, active, draining, stopped, failed, lost (its node left)
-    actor: Any = None
-    ready_ref: Any = None
-    failed_checks: int = 0
-    retiring: bool = False  # its scale-out job is ending: removed (drained) at the next safe point
-    restarts: int = 0  # times it died or hung and was replaced (controller/recovery.py)
-    pid: int | None = None  # its server's process id (None: an engine someone else started)
-
-    def public(self) -> dict[str, Any]:
-        return {"id": self.id, "url": self.url, "node": self.node, "origin": self.origin, "state": self.state,
-                "op": self.op, "restarts": self.restarts, "pid": self.pid}
-
-
-@dataclass
-class ScaleOp:
-    id: str
-    kind: str  # "out" or "in"
-    count: int
-    source: str  # out: "local", "slurm" or "url"; in: the engines' origins
-    request_id: str | None = None
-    url: str | None = None
-    engines: list[str] = field(default_factory=list)  # engine ids
-    job_id: str | None = None  # the scale-out's Slurm job
-    state: str = "pending"
-    error: str | None = None
-    history: list[tuple[str, float]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.history.append((self.state, time.time()))
-
-    def to(self, state: str, error: str | None = None) -> None:
-        self.state, self.error = state, error or self.error
-        self.history.append((state, time.time()))
-        log.info("scale %s (%s %d): %s%s", self.id, self.kind, self.count, state, f": {error}" if error else "")
-
-    @property
-    def final(self) -> bool:
-        return self.state in FINAL
-
-    def public(self) -> dict[str, Any]:
-        return {"id": self.id, "kind": self.kind, "count": self.count, "source": self.source,
-                "request_id": self.request_id, "url": self.url, "engines": list(self.engines),
-                "slurm_job_id": self.job_id, "state": self.state, "error": self.error,
-                "history": [{"state": s, "at": _iso(t), "t": t} for s, t in self.history]}
 
 
 class Elastic:
@@ -120,22 +50,17 @@ class Elastic:
     the joining and removing, at the safe points the training loop offers through `apply`).
 
     Args:
-        job: the running `Job` (its engine set, event loop, run directory, policy version).
-        executor: "local" (engines start on this machine, up to `capacity`) or "slurm" (each scale-out
-            submits a rollout-only job through the supervisor, `scale_jobs`).
-        capacity: the most engines this machine holds at once (local), None: no limit of ours.
-        per_node: engines a scale-out job node holds (Slurm).
-        scale_jobs: launch/scale_jobs.py's `ScaleJobRequests` of the run (Slurm).
+        engines: the job's `EngineSet`.
+        scale_out: where a scale-out's engines start (scale_out.py: the executor's part).
+        on_change: called (with the lock held) whenever engines or operations change.
     """
 
-    def __init__(self, job, executor: str, capacity: int | None = None, per_node: int = 1, scale_jobs=None,
-                 on_change: Callable[[], None] | None = None):
-        self.job, self.set, self.executor = job, job.engines, executor
-        self.capacity, self.per_node, self.scale_jobs = capacity, per_node, scale_jobs
-        self._on_change = on_change  # called (with the lock held) whenever engines or operations change
+    def __init__(self, engines, scale_out: ScaleOut, on_change: Callable[[], None] | None = None):
+        self.set, self.scale_out = engines, scale_out
+        self._on_change = on_change
         self._lock = threading.RLock()
         self.engines: dict[str, Engine] = {}
-        pids = _pids([self.set.actors[url] for url in self.set.urls])
+        pids = engine_pids([self.set.actors[url] for url in self.set.urls])
         for url, pid in zip(self.set.urls, pids):
             index = len(self.engines)
             self.engines[f"e{index}"] = Engine(f"e{index}", "original", url=url, pid=pid)
@@ -198,15 +123,15 @@ class Elastic:
                 self._changed()
 
     def spawn_options(self, engine: Engine) -> dict[str, Any] | None:
-        """Where a replacement of `engine` starts: its scale-out job's nodes (Slurm), else a free slot."""
+        """Where a replacement of `engine` starts: where its scale-out's engines start, else a free slot."""
         op = next((op for op in self.ops if op.id == engine.op), None)
-        return self._slurm_options(op.id) if op is not None and op.source == "slurm" else None
+        return self.scale_out.spawn_options(op.id) if op is not None and self._ours(op) else None
 
     def replaced(self, engine: Engine, url: str, actor, node: str | None) -> None:
         """`engine` serves again, from a new process at `url` (recovery.py replaced it)."""
         with self._lock:
             engine.url, engine.node, engine.state = url, node, "active"
-            engine.pid = _pids([actor])[0]
+            engine.pid = engine_pids([actor])[0]
             engine.actor = actor if engine.origin == "added" else engine.actor
             engine.restarts += 1
             engine.failed_checks = 0
@@ -235,15 +160,17 @@ class Elastic:
             self._changed()
             return 202, op.public()
 
+    def restore(self, added: int, request_id: str) -> None:
+        """A resumed run asks again for the engines its scale-outs had added (the checkpoint's count)."""
+        try:
+            code, op = self.request(delta=added, request_id=request_id)
+            log.info("resumed with %d added engine(s): scale operation %s", added, op.get("id"))
+        except ScaleError as exc:
+            log.warning("the checkpoint had %d added engine(s), which cannot be added again: %s", added, exc)
+
     def _delta(self, delta: int | None, target: int | None, url: str | None) -> int:
         if url is not None:
-            if target is not None or delta not in (None, 1):
-                raise ScaleError(400, "an engine added by URL is one engine: give 'url' alone")
-            if not URL_PATTERN.match(url):
-                raise ScaleError(400, f"url '{url}': give the engine's base URL, http://HOST:PORT")
-            if any(e.url == url.rstrip("/") and e.state not in ("stopped", "failed", "lost")
-                   for e in self.engines.values()):
-                raise ScaleError(400, f"{url} is one of the run's engines already")
+            check_engine_url(url, delta, target, self.engines.values())
             return 1
         if (delta is None) == (target is None):
             raise ScaleError(400, "give one of 'delta' (+N or -N engines) or 'target' (a count of engines)")
@@ -261,9 +188,9 @@ class Elastic:
             if self.set.hands_over:
                 raise ScaleError(400, "engines on the trainer ranks' GPUs (colocate on GPU nodes) cannot be "
                                       "added during a run; start the run with more rollout.num_engines")
-            if self.capacity is not None and len(self.serving()) + delta > self.capacity:
-                raise ScaleError(400, f"this machine holds at most {self.capacity} engines (the run has "
-                                      f"{len(self.serving())}); a Slurm run can grow onto new nodes")
+            refusal = self.scale_out.refusal(len(self.serving()), delta)
+            if refusal is not None:
+                raise ScaleError(400, refusal)
         return delta
 
     def _removable(self) -> list[Engine]:
@@ -280,26 +207,20 @@ class Elastic:
                 engine.op = engine.op or op_id
             self.ops.append(op)
             return op
-        source = "url" if url is not None else self.executor
+        source = "url" if url is not None else self.scale_out.name
         op = ScaleOp(op_id, "out", delta, source, request_id, url=url.rstrip("/") if url else None)
         self.ops.append(op)
         try:
-            if source == "url":
+            if url is not None:
                 self._new_engine("external", op, url=op.url)
-                op.to("starting")
-            elif source == "slurm":
-                nodes = math.ceil(delta / self.per_node)
-                self.scale_jobs.submit(op.id, nodes)
-                options = self._slurm_options(op.id)
+            else:
+                self.scale_out.submit(op.id, delta)
+                options = self.scale_out.spawn_options(op.id)
                 for _ in range(delta):
                     engine = self._new_engine("added", op)
                     engine.actor = self.set.spawn(options)
                     engine.ready_ref = self.set.ready(engine.actor)
-            else:
-                for _ in range(delta):
-                    engine = self._new_engine("added", op)
-                    engine.actor = self.set.spawn()
-                    engine.ready_ref = self.set.ready(engine.actor)
+            if url is not None or not self.scale_out.queued:
                 op.to("starting")
         except Exception as exc:  # nothing started stays
             self._fail(op, f"{type(exc).__name__}: {exc}")
@@ -310,10 +231,6 @@ class Elastic:
         self.engines[engine.id] = engine
         op.engines.append(engine.id)
         return engine
-
-    def _slurm_options(self, op_id: str) -> dict[str, Any]:
-        tp = self.set.spec.gpus
-        return {"num_cpus": 0, "num_gpus": tp, "resources": {scale_resource(op_id): max(tp, 1)}}
 
     def cancel(self, op_id: str) -> dict[str, Any]:
         """Cancel a pending scale-out (or a scale-in not yet begun); 409 once it went further."""
@@ -364,19 +281,15 @@ class Elastic:
         if op is None or op.kind != "out":
             self._retire_ending_jobs()
             return
-        if op.source == "slurm" and op.state == "pending":
-            answer = self.scale_jobs.result(op.id)
-            if answer and answer.get("error"):
-                self._fail(op, answer["error"])
-                return
-            if answer and answer.get("job_id") and op.job_id is None:
-                op.job_id = str(answer["job_id"])
+        if op.state == "pending" and self._ours(op):
+            pending = self.scale_out.pending(op.id)
+            if pending.job_id is not None and op.job_id is None:
+                op.job_id = pending.job_id
                 self._changed()
-            if answer and answer.get("ended"):
-                self._fail(op, f"its Slurm job {op.job_id} ended before its engines were up"
-                               f"{': ' + answer['ended'] if isinstance(answer['ended'], str) else ''}")
+            if pending.error is not None:
+                self._fail(op, pending.error)
                 return
-            if self._nodes_joined(op.id):
+            if pending.ready:
                 op.to("starting")
                 self._changed()
         if op.state == "starting":
@@ -387,8 +300,8 @@ class Elastic:
         engines = self._engines_of(op)
         if op.source == "url":
             engine = engines[0]
-            if self._healthy(engine.url, timeout_s=2.0):
-                engine.state, engine.node = "healthy", _host_of(engine.url)
+            if answers_health(engine.url, self.set.spec.api_key, timeout_s=2.0):
+                engine.state, engine.node = "healthy", host_of(engine.url)
             elif time.time() - op.history[0][1] > URL_HEALTH_TIMEOUT_S:
                 self._fail(op, f"{engine.url} did not answer /health with the run's engine key within "
                                f"{URL_HEALTH_TIMEOUT_S:.0f}s")
@@ -402,7 +315,7 @@ class Elastic:
                 try:
                     engine.url = ray.get(engine.ready_ref)
                     engine.node = ray.get(engine.actor.where.remote(), timeout=30)
-                    engine.pid = _pids([engine.actor])[0]
+                    engine.pid = engine_pids([engine.actor])[0]
                 except Exception as exc:
                     self._fail(op, f"engine {engine.id} did not start: {type(exc).__name__}: {exc}")
                     return
@@ -412,26 +325,17 @@ class Elastic:
             op.to("healthy")
             self._changed()
 
-    def _nodes_joined(self, op_id: str) -> bool:
-        import ray
-
-        want = scale_resource(op_id)
-        return any(n.get("Alive") and want in n.get("Resources", {}) for n in ray.nodes())
-
     def _retire_ending_jobs(self) -> None:
-        """Engines of a scale-out job that is ending (its time limit is near, it was cancelled or it died)
-        leave at the next safe point."""
-        if self.scale_jobs is None:
-            return
+        """Engines of a scale-out whose resources are going away (a Slurm job near its time limit,
+        cancelled or dead) leave at the next safe point."""
         for op in self.ops:
-            if op.kind != "out" or op.source != "slurm" or op.state != "active":
+            if not self._ours(op) or op.state != "active" or not self.scale_out.ending(op.id):
                 continue
-            answer = self.scale_jobs.result(op.id) or {}
-            if self.scale_jobs.ending(op.id) or answer.get("ended"):
-                for engine in self._engines_of(op):
-                    if engine.state == "active" and not engine.retiring:
-                        engine.retiring = True
-                        log.info("engine %s leaves: its Slurm job %s is ending", engine.id, op.job_id)
+            for engine in self._engines_of(op):
+                if engine.state == "active" and not engine.retiring:
+                    engine.retiring = True
+                    log.info("engine %s leaves: the resources of %s (job %s) are going away", engine.id, op.id,
+                             op.job_id)
 
     def _check_health(self) -> None:
         """Added engines that stopped answering count as gone (removed at the next safe point)."""
@@ -441,7 +345,7 @@ class Elastic:
         with self._lock:
             watched = [e for e in self.engines.values() if e.origin != "original" and e.state == "active"]
         for engine in watched:
-            if self._healthy(engine.url, timeout_s=5.0):
+            if answers_health(engine.url, self.set.spec.api_key, timeout_s=5.0):
                 engine.failed_checks = 0
                 continue
             engine.failed_checks += 1
@@ -452,18 +356,6 @@ class Elastic:
                         log.warning("engine %s (%s) stopped answering; it is removed at the next safe point",
                                     engine.id, engine.url)
                         self._changed()
-
-    def _healthy(self, url: str | None, timeout_s: float) -> bool:
-        import httpx
-
-        if not url:
-            return False
-        try:
-            response = httpx.get(f"{url}/health", timeout=timeout_s,
-                                 headers={"Authorization": f"Bearer {self.set.spec.api_key}"})
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
 
     # --------------------------------------------------------- safe point
     def apply(self, loop: asyncio.AbstractEventLoop,
@@ -550,13 +442,16 @@ class Elastic:
     def _engines_of(self, op: ScaleOp) -> list[Engine]:
         return [self.engines[i] for i in op.engines]
 
+    def _ours(self, op: ScaleOp) -> bool:
+        """`op` is a scale-out whose engines started where the executor puts them (not added by URL)."""
+        return op.kind == "out" and op.url is None
+
     def _job_done_with(self, op_id: str | None) -> None:
-        """A scale-out job whose engines are all gone is cancelled (its nodes hold nothing of the run)."""
-        if op_id is None or self.scale_jobs is None:
-            return
-        out = next((op for op in self.ops if op.id == op_id and op.kind == "out" and op.source == "slurm"), None)
+        """A scale-out whose engines are all gone gives its resources back (its nodes hold nothing of the
+        run)."""
+        out = next((op for op in self.ops if op.id == op_id and self._ours(op)), None)
         if out is not None and all(e.state in ("stopped", "lost", "failed") for e in self._engines_of(out)):
-            self.scale_jobs.cancel(out.id)
+            self.scale_out.release(out.id)
 
     def _discard(self, op: ScaleOp) -> None:
         """Stop whatever scale-out `op` started (engines not yet joined; its Slurm job)."""
@@ -564,8 +459,8 @@ class Elastic:
             if engine.actor is not None:
                 self.set.forget(engine.actor)
             engine.state = "failed" if engine.state != "stopped" else engine.state
-        if op.source == "slurm" and self.scale_jobs is not None:
-            self.scale_jobs.cancel(op.id)
+        if self._ours(op):
+            self.scale_out.release(op.id)
 
     def _fail(self, op: ScaleOp, message: str) -> None:
         self._discard(op)
@@ -588,24 +483,12 @@ class Elastic:
                     "scale": (running or last).public() if (running or last) else None}
 
     def close(self) -> None:
-        """Stop the watcher; a scale-out job still running is cancelled (the supervisor cancels all at the
-        end as well)."""
+        """Stop the watcher; every scale-out gives its resources back (a Slurm job still running is
+        cancelled; the supervisor cancels all at the end as well)."""
         self._stop.set()
         self._thread.join(timeout=10)
         with self._lock:
             for op in self.ops:
-                if op.kind == "out" and op.source == "slurm" and self.scale_jobs is not None:
-                    self.scale_jobs.cancel(op.id)
+                if self._ours(op):
+                    self.scale_out.release(op.id)
 
-
-def _pids(actors: list) -> list[int | None]:
-    """The engine servers' process ids (None for an engine this run did not start)."""
-    import ray
-
-    started = [a for a in actors if a is not None]
-    pids = iter(ray.get([a.pid.remote() for a in started], timeout=30) if started else [])
-    return [next(pids) if a is not None else None for a in actors]
-
-
-def _host_of(url: str) -> str:
-    return url.split("//", 1)[-1].rsplit(":", 1)[0]

@@ -4,8 +4,10 @@
 servers they launch, and in the asynchronous modes TransferQueue and the
 services of relax_core/services) and stops them on `close()`, or as soon as
 its set-up fails. The training loops (`colocate.py`, `streaming.py`) call its
-verbs: `rollout`, `train`, `train_rows`, `sync_weights`, `checkpoint`,
-`resume`, `log`, `step_done`, and `stop_here` when told to stop.
+verbs: `rollout`, `train`, `train_rows`, `sync_weights`, `resume`, `log`;
+and its `progress` (progress.py): `step_done`, `checkpoint`, and `stop_here`
+when told to stop. Its scale operations are `elastic` (elastic.py), its
+engine recovery `recovery` (recovery.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from relax_core.cluster.placement import threads_per_process
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
+from relax_core.controller.progress import Progress
 from relax_core.controller.restarts import TrainerWatch
+from relax_core.controller.scale_out import LocalScaleOut, ScaleOut
 from relax_core.controller.workers import TrainerWorker
 from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched
 from relax_core.rollout.settings import agentic, engine_video, media_prompts, sampling_config
@@ -39,11 +43,13 @@ ENGINE_KEY = "engine_api_key"
 
 class Job:
     def __init__(self, recipe: Recipe, run: RunDir, console=None, stop: threading.Event | None = None,
-                 cpu_sets: dict[str, list[int]] | None = None, notifier=None, restarted: bool = False):
+                 cpu_sets: dict[str, list[int]] | None = None, notifier=None, restarted: bool = False,
+                 scale_out: ScaleOut | None = None):
         """`cpu_sets`: cores of the train and rollout groups when they share one machine (local executor);
+        `scale_out`: where `relax scale-rollout`'s engines start (scale_out.py; the driver's entry point
+        gives its executor's, default: this machine's);
         `notifier`: the run's `metrics.notify.Notifier` (checkpoints, engine restarts, step summaries);
-        `restarted`: this job replaces one that failed (restarts.py): it resumes from the run's latest
-        checkpoint even where `checkpoint.resume` is off (that is about checkpoints of earlier runs)."""
+        `restarted`: this job replaces one that failed (restarts.py; progress.py says what that changes)."""
         import ray
 
         from relax_core.data.prompts import build_prompt_source
@@ -54,20 +60,19 @@ class Job:
         self.recipe, self.run = recipe, run
         self.mode = mode_spec(recipe.mode)  # what runs where (config/modes.py)
         self.notifier = notifier
-        self.restarted = restarted
         self.stop = stop or threading.Event()  # set on preemption: checkpoint and end the loop
         self.cpu_sets = cpu_sets or {}
+        self.scale_out = scale_out or LocalScaleOut.for_run(recipe, run)
         self.loop = asyncio.new_event_loop()
         self.model_dir = prepare_model_dir(recipe, run)
         self._tokenizer_load = None  # colocate: loading in a thread while the engines and trainers start
         self.prompts = build_prompt_source(recipe.data)
         if isinstance(recipe.data, FileData) and recipe.data.reward_key:  # before anything is started
             check_routes(self.prompts.reward_names(), recipe.data.reward_key, recipe.reward.plugin_dirs)
-        self.ckpt_dir = str(run.checkpoint_dir(recipe))
         self.policy_version = 0
-        self.completed: tuple[int, dict] = (0, {})  # the last completed step and its prompt cursor
-        self.checkpointed = 0  # the newest step with a checkpoint
         self.trainers: list = []
+        self.progress = Progress(ray, recipe, run, self.trainers, self.prompts, self._engines_added, notifier,
+                                 restarted)
         self._ray = ray
         self.engines = None
         self.elastic = None  # scale operations (elastic.py), once the engines are up
@@ -81,6 +86,8 @@ class Job:
         self.trainer_watch = None  # trainer ranks that stop answering are ended (restarts.py)
         self.rows_trained = 0  # asynchronous modes: rows trained on by this driver (for the queue depth)
         self._media = None  # the media workers of the rollout managers this process makes (prompt_prep.py)
+        self.reward_hub = self.rollout_manager = None  # colocate: the driver's own rollout (`_connect`)
+        self.tracker = None
         try:
             self._start_processes()
             self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.uses("tensorboard") else None,
@@ -150,18 +157,11 @@ class Job:
     def _start_control(self) -> None:
         """The scale operations (elastic.py) and the control API that takes them (api.py)."""
         from relax_core.cluster.actors import node_ip
-        from relax_core.cluster.placement import engines_per_node, local_engine_capacity
         from relax_core.controller.api import ControlApi
         from relax_core.controller.elastic import Elastic
         from relax_core.controller.recovery import EngineRecovery
-        from relax_core.launch.scale_jobs import ScaleJobRequests
 
-        executor = self.run.read_state().get("executor") or "local"
-        slurm = executor == "slurm"
-        self.elastic = Elastic(self, "slurm" if slurm else "local",
-                               capacity=None if slurm else local_engine_capacity(self.recipe),
-                               per_node=engines_per_node(self.recipe) or 1,
-                               scale_jobs=ScaleJobRequests(self.run) if slurm else None,
+        self.elastic = Elastic(self.engines, self.scale_out,
                                on_change=lambda: self.run.update_state(**self.elastic.snapshot()))
         self.run.update_state(**self.elastic.snapshot())
         self.recovery = EngineRecovery(self, self.recipe.recovery.health_timeout_s,
@@ -172,21 +172,9 @@ class Job:
     def api_status(self) -> dict[str, Any]:
         """The run as GET /v1/status shows it (the engines and scale operation are added there)."""
         return {"run_id": self.run.run_id(), "name": self.recipe.name, "mode": self.recipe.mode, "state": "running",
-                "step": self.completed[0], "total_steps": self.recipe.train.steps,
+                "step": self.progress.completed[0], "total_steps": self.recipe.train.steps,
                 "policy_version": self.policy_version, "stopping": self.stop.is_set(),
                 "router": self.engines.router.url if self.engines.router is not None else None}
-
-    def restore_engines(self, added: int) -> None:
-        """A resumed run asks again for the engines its scale-outs had added (the checkpoint's count)."""
-        from relax_core.controller.elastic import ScaleError
-
-        if added <= 0:
-            return
-        try:
-            code, op = self.elastic.request(delta=added, request_id=f"resume-{self.checkpointed}")
-            log.info("resumed with %d added engine(s): scale operation %s", added, op.get("id"))
-        except ScaleError as exc:
-            log.warning("the checkpoint had %d added engine(s), which cannot be added again: %s", added, exc)
 
     @cached_property
     def tokenizer(self):
@@ -248,7 +236,7 @@ class Job:
         # Four threads (asynchronous modes): while a step trains, rank 0 broadcasts the weights of the
         # one before to the engines, and every rank reads the next step's rows from TransferQueue.
         actor = self._ray.remote(max_concurrency=4)(TrainerWorker)
-        self.trainers = [actor.options(**self.slots.trainer_options(r)).remote(r, world) for r in range(world)]
+        self.trainers[:] = [actor.options(**self.slots.trainer_options(r)).remote(r, world) for r in range(world)]
         self.engines.trainer0 = self.trainers[0]
 
     def _setup_trainers(self) -> list:
@@ -353,9 +341,10 @@ class Job:
             except Exception as exc:  # an engine died: replaced, it and the others get these weights then
                 if self.recovery is None:
                     raise
-                clients = self.loop.run_until_complete(self.recovery.recover(exc))
-                if hasattr(self, "rollout_manager"):  # colocate: the next step goes to the new engine
-                    self.loop.run_until_complete(self.rollout_manager.set_clients(clients))
+                if self.rollout_manager is not None:  # colocate: the next step goes to the new engine
+                    self.loop.run_until_complete(self.rollout_manager.replace_engines(exc))
+                else:  # the rollout service's manager learns the new engines from the driver
+                    self.loop.run_until_complete(self.recovery.recover(exc))
                 stats = {"sync_version": float(version if version is not None else self.policy_version)}
         self.policy_version = int(stats.get("sync_version", version or 0))
         return stats
@@ -370,87 +359,18 @@ class Job:
             self.loop.run_until_complete(self.recovery.check())
         return self._ray.get(ref)
 
-    def checkpoint(self, step: int, data_state: dict | None = None) -> None:
-        """Save every rank's state; `data_state`: the prompt cursor as of this step (when rollout runs ahead)."""
-        data = data_state if data_state is not None else self.prompts.state_dict()
-        progress = {"step": step, "data": data, "policy_version": step,
-                    "engines_added": self.elastic.started_by_scale() if self.elastic is not None else 0}
-        keep = self.recipe.checkpoint.keep_last
-        self._ray.get([t.save_checkpoint.remote(self.ckpt_dir, step, progress, keep) for t in self.trainers])
-        self.checkpointed = step
-        self.run.update_state(checkpoint_step=step)
-        if self.notifier is not None:
-            self.notifier.checkpoint(step, self.ckpt_dir)
-
-    def step_done(self, step: int, data_state: dict | None = None) -> None:
-        """`step` is complete: a stop from now on checkpoints it, with the prompt cursor as of its end
-        (`data_state`, when rollout runs ahead; else the cursor now, before the next step takes prompts)."""
-        self.completed = (step, dict(data_state if data_state is not None else self.prompts.state_dict()))
-
-    def stop_here(self) -> str:
-        """The run was told to stop: checkpoint the last completed step (unless it already is); the
-        partial step's samples are dropped and a resumed run regenerates them."""
-        step, data_state = self.completed
-        if step > self.checkpointed:
-            self.checkpoint(step, data_state)
-        log.info("stopping: step %d is the last completed one", step)
-        return "stopped"
-
     def resume(self, resync=None) -> int:
-        """Continue from the latest checkpoint, if any; returns the last completed step. `resync(version)`
-        gives the engines the loaded weights (default: `sync_weights`; colocate on GPU nodes has its own).
-
-        The checkpoint directory must be this run's own (it is claimed on first use), and what an
-        interrupted attempt logged after the checkpoint is dropped: those steps run again.
-        """
-        from relax_core.checkpoint import find_latest
-        from relax_core.checkpoint.owner import claim
-        from relax_core.launch.same_run import fingerprint
-
-        claim(self.ckpt_dir, self.run.run_id(), self.run.path, fingerprint(self.recipe.model_dump(mode="json")))
-        resuming = (self.recipe.checkpoint.resume or self.restarted) and find_latest(self.ckpt_dir) is not None
-        step = self._load_latest(resync or self.sync_weights) if resuming else 0
+        """Continue from the latest checkpoint, if any (progress.py); returns the last completed step.
+        `resync(version)` gives the engines the loaded weights (default: `sync_weights`; colocate on GPU
+        nodes has its own); the engines the run's scale-outs had added are asked for again."""
+        step, added = self.progress.resume(resync or self.sync_weights)
+        if added > 0:
+            self.elastic.restore(added, request_id=f"resume-{step}")
         self.tracker.resume_from(step)
         return step
 
-    def _load_latest(self, resync) -> int:
-        progress = self._ray.get([t.load_checkpoint.remote(self.ckpt_dir) for t in self.trainers])[0]
-        self.prompts.load_state_dict(progress["data"])
-        resync(int(progress["policy_version"]))
-        log.info("resumed from %s at step %d", self.ckpt_dir, progress["step"])
-        self.checkpointed = int(progress["step"])
-        self.completed = (self.checkpointed, dict(progress["data"]))
-        self.restore_engines(int(progress.get("engines_added", 0)))
-        return self.checkpointed
-
-    def lost_processes(self, timeout_s: float) -> list[str]:
-        """The trainer ranks that do not say who they are within `timeout_s` (dead, or stopped), and the
-        services whose actor died: one line each, naming it (restarts.py)."""
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        from relax_core.cluster.actors import describe
-
-        known = {p["rank"]: p for p in self.run.read_state().get("trainers") or []}
-        lost = []
-        for rank, ref in enumerate([t.process.remote() for t in self.trainers]):
-            try:
-                self._ray.get(ref, timeout=timeout_s)
-            except Exception as exc:  # its actor died, or it did not answer in time
-                where = known.get(rank)
-                name = f"trainer rank {rank}" + (f" (pid {where['pid']} on {where['node']})" if where else "")
-                why = f"did not answer within {timeout_s:.0f}s" if isinstance(exc, GetTimeoutError) else "is gone"
-                if self.trainer_watch is not None and rank in self.trainer_watch.ended:
-                    why = (f"did not answer within recovery.health_timeout_s={self.trainer_watch.timeout_s:g}s "
-                           "and was ended")
-                lost.append(f"{name} {why} ({describe(exc)})")
-        for name, handle in self.services.actors() if self.services is not None else ():
-            try:
-                self._ray.get(handle.node_id.remote(), timeout=timeout_s)
-            except RayActorError as exc:
-                lost.append(f"the {name} service is gone ({describe(exc)})")
-            except GetTimeoutError:
-                pass  # busy: a service computes one batch at a time
-        return lost
+    def _engines_added(self) -> int:
+        return self.elastic.started_by_scale() if self.elastic is not None else 0
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.tracker.log(step, metrics)
@@ -481,13 +401,13 @@ class Job:
             self.judges.stop()
         if self.slots is not None:  # its placement groups, once the actors in them have ended
             self.slots.release()
-        if hasattr(self, "rollout_manager"):
+        if self.rollout_manager is not None:
             self.rollout_manager.close(self.loop)
-        if hasattr(self, "reward_hub"):
+        if self.reward_hub is not None:
             self.reward_hub.close()
         if self._media is not None:
             self._media.close()
-        if hasattr(self, "tracker"):
+        if self.tracker is not None:
             self.tracker.close()
         self.loop.close()
 

@@ -53,8 +53,9 @@ def out_of_memory(error: BaseException) -> str | None:
 class JobRestarts:
     """What the driver does after the job failed: start it again (the cause) or end the run."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self, limit: int, probe=None):
+        """`probe(job, timeout_s)`: the job's lost processes, one line each (default `lost_processes`)."""
+        self.limit, self.probe = limit, probe or lost_processes
         self.history: list[dict] = []  # one entry per restart: when, the cause, the step resumed from
         self._memory: str | None = None  # the last out-of-memory error that restarted the job
 
@@ -72,7 +73,7 @@ class JobRestarts:
             return None
         if job is None or job.stop.is_set():  # failed while starting, or told to stop
             return None
-        lost = job.lost_processes(PROBE_TIMEOUT_S)
+        lost = self.probe(job, PROBE_TIMEOUT_S)
         if lost:
             cause = lost[0]
         else:
@@ -86,10 +87,39 @@ class JobRestarts:
                                f"{job.run.logs / 'driver.log'}. Find out why it fails there, or raise "
                                "recovery.max_restarts") from error
         self.history.append({"at": round(time.time(), 3), "cause": cause, "failed": describe(error),
-                             "from_step": job.checkpointed})
+                             "from_step": job.progress.checkpointed})
         log.warning("the job failed (%s): %s; restarting it from its latest checkpoint (restart %d of at most %d)",
                     describe(error), cause, self.count, self.limit)
         return cause
+
+
+def lost_processes(job, timeout_s: float) -> list[str]:
+    """The trainer ranks of `job` that do not say who they are within `timeout_s` (dead, or stopped), and
+    the services whose actor died: one line each, naming it."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    known = {p["rank"]: p for p in job.run.read_state().get("trainers") or []}
+    lost = []
+    for rank, ref in enumerate([t.process.remote() for t in job.trainers]):
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except Exception as exc:  # its actor died, or it did not answer in time
+            where = known.get(rank)
+            name = f"trainer rank {rank}" + (f" (pid {where['pid']} on {where['node']})" if where else "")
+            why = f"did not answer within {timeout_s:.0f}s" if isinstance(exc, GetTimeoutError) else "is gone"
+            if job.trainer_watch is not None and rank in job.trainer_watch.ended:
+                why = (f"did not answer within recovery.health_timeout_s={job.trainer_watch.timeout_s:g}s "
+                       "and was ended")
+            lost.append(f"{name} {why} ({describe(exc)})")
+    for name, handle in job.services.actors() if job.services is not None else ():
+        try:
+            ray.get(handle.node_id.remote(), timeout=timeout_s)
+        except RayActorError as exc:
+            lost.append(f"the {name} service is gone ({describe(exc)})")
+        except GetTimeoutError:
+            pass  # busy: a service computes one batch at a time
+    return lost
 
 
 class TrainerWatch:

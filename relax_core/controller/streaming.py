@@ -73,7 +73,7 @@ def train_streaming(job: Job) -> str:
             except Preempted:
                 if books is not None:
                     books.write(job)  # the step trained last is complete: the checkpoint holds it
-                return job.stop_here()
+                return job.progress.stop_here()
             record = upcoming.record
             parts = None if upcoming.prefetched else job.bus.rank_shards(upcoming.meta, world)
             dispatched = time.perf_counter()
@@ -96,9 +96,9 @@ def train_streaming(job: Job) -> str:
                 books.write(job)
                 books = None
             if checkpoint:
-                job.checkpoint(step, record.data_state)
+                job.progress.checkpoint(step, record.data_state)
             if job.stop.is_set() and step < total:
-                return job.stop_here()
+                return job.progress.stop_here()
         return "completed"
     finally:
         desk.stop()
@@ -125,7 +125,7 @@ class Books:
         depth = job._ray.get(job.services.rollout.produced.remote()) - job.rows_trained
         job.log(self.step, stream_metrics(self.record, self.versions, self.step, self.idle_s, self.train_s,
                                           self.step_s, depth) | self.record.reward_stats | self.metrics)
-        job.step_done(self.step, self.record.data_state)  # the cursor as of this step, not the rollout's now
+        job.progress.step_done(self.step, self.record.data_state)  # the cursor as of this step, not the rollout's now
 
 
 class Upcoming:

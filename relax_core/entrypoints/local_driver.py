@@ -20,6 +20,7 @@ from relax_core.cluster.placement import local_cpu_sets, local_slots
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe
 from relax_core.controller.driver import run_job, setup_logging
+from relax_core.controller.scale_out import LocalScaleOut
 from relax_core.models.model_dir import prepare_model_dir
 from relax_core.rundir import RunDir
 
@@ -57,7 +58,8 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
             model_dir.result()
             if bus:
                 bus_import.result()
-            return run_job(recipe, run, console, stop=stop, cpu_sets=local_cpu_sets(recipe))
+            return run_job(recipe, run, console, stop=stop, cpu_sets=local_cpu_sets(recipe),
+                           scale_out=LocalScaleOut.for_run(recipe, run))
         finally:
             log.info("job closed; stopping Ray")
             stop_local_ray()

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from relax_core.config import load_recipe
     from relax_core.controller.driver import run_job, setup_logging
     from relax_core.controller.preemption import stop_on_signals
+    from relax_core.controller.scale_out import SlurmScaleOut
 
     run = RunDir(Path((argv or sys.argv[1:])[0]).resolve())
     os.environ.update(token_env(run))  # before Ray reads its configuration
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return DRIVER_STARTUP_FAILED
     # After Ray's connect, which installs a TERM handler of its own: unwind, so engines and trainers are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    outcome = run_job(recipe, run, None, stop=stop)
+    outcome = run_job(recipe, run, None, stop=stop, scale_out=SlurmScaleOut.for_run(recipe, run))
     return DRIVER_COMPLETED if outcome == "completed" else DRIVER_STOPPED
 
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from relax_core.entrypoints.slurm_steps import hostnames, srun_command, srun_env, terminate
-from relax_core.launch.scale_jobs import FOLDER
+from relax_core.run_requests import SCALE_FOLDER
 from relax_core.rundir import RunDir
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen] = []
 
     def ending(*_) -> None:  # the time limit is near: the driver takes the engines away first
-        (run.path / FOLDER / f"{args.op}.ending").write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
+        (run.path / SCALE_FOLDER / f"{args.op}.ending").write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
 
     signal.signal(signal.SIGUSR1, ending)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -6,11 +6,7 @@
 
 Login nodes often cannot reach the compute node the driver runs on, but they
 share the run directory with it, so the CLI never calls the API's address
-itself. Who may ask: the run's owner. The folder is the owner's, mode 0700;
-each file is written whole (a 0600 temporary file renamed into place), and the
-driver obeys a request only if it is a plain file owned by the driver's own
-user that no one else may write; anything else it removes unread and logs. A
-request older than `REQUEST_TTL_S` (its CLI gave up waiting) is dropped.
+itself. Who may ask, and how the files are written and read: relax_core/run_requests.py.
 
 The API's HTTP address stays, for programs on the cluster's network (and is
 what the driver relays to); run.json names it (`api_url`) while the driver runs.
@@ -18,64 +14,16 @@ what the driver relays to); run.json names it (`api_url`) while the driver runs.
 
 from __future__ import annotations
 
-import json
-import os
-import stat
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from relax_core.errors import UserError
+from relax_core.run_requests import CONTROL_FOLDER, read_trusted, write_private
 from relax_core.rundir import RunDir
 
-FOLDER = "control"
 TIMEOUT_S = 30.0  # how long the CLI waits for the driver's answer
-REQUEST_TTL_S = 120.0
 POLL_S = 0.1
-
-
-def control_folder(run: RunDir) -> Path:
-    """The run's request folder (mode 0700), made by the driver when its API starts."""
-    path = run.path / FOLDER
-    path.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
-
-
-def write_private(path: Path, data: dict[str, Any]) -> None:
-    """`data` as JSON in `path`, whole and readable by its owner only (a 0600 file renamed into place)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def read_trusted(path: Path) -> dict[str, Any] | None:
-    """The request in `path` if this user may obey it: a plain file (not a link), owned by this process's
-    user, writable by no one else, not older than `REQUEST_TTL_S`. Raises `PermissionError` naming why
-    not; None when it is gone or not JSON."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:  # ELOOP: a symbolic link
-        raise PermissionError(f"{path}: not a plain file ({exc.strerror})") from None
-    with os.fdopen(fd) as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise PermissionError(f"{path}: not a plain file")
-        if info.st_uid != os.getuid():
-            raise PermissionError(f"{path}: owned by uid {info.st_uid}, not the run's owner (uid {os.getuid()})")
-        if info.st_mode & 0o022:
-            raise PermissionError(f"{path}: writable by others (mode {oct(info.st_mode & 0o777)})")
-        if time.time() - info.st_mtime > REQUEST_TTL_S:
-            raise PermissionError(f"{path}: older than {REQUEST_TTL_S:.0f}s (its sender stopped waiting)")
-        try:
-            return json.loads(handle.read())
-        except ValueError:
-            return None
 
 
 class ControlClient:
@@ -90,7 +38,7 @@ class ControlClient:
         if status != "running" or not state.get("api_url"):
             raise UserError(f"{run.path}: the run is {status}, not running with its control API up; "
                             "scale a run while it trains (relax status shows its state)")
-        self.folder = run.path / FOLDER
+        self.folder = run.path / CONTROL_FOLDER
 
     def call(self, method: str, path: str, json: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of the request, as the driver's API answered it."""

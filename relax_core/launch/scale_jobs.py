@@ -1,7 +1,7 @@
 """The rollout-only Slurm jobs a running job grows onto (`relax scale-rollout +N`).
 
-    driver (controller/elastic.py)          supervisor (entrypoints/slurm_job.py, on the host)
-    ------------------------------          --------------------------------------------------
+    driver (controller/scale_out.py)        supervisor (entrypoints/slurm_job.py, on the host)
+    --------------------------------        --------------------------------------------------
     ScaleJobRequests.submit(op, nodes)  ->  scale/<op>.submit.json  ->  renders scale/<op>.sbatch, sbatch
                                         <-  scale/<op>.job.json        {"job_id"} or {"error"}; "ended" once
                                                                        Slurm no longer runs it
@@ -11,7 +11,7 @@
 
 The requests are files in the run directory because the driver may run inside
 a container without Slurm's commands, while the supervisor runs on the host.
-Each file is written whole (a temporary file renamed into place).
+The files and how they are written: relax_core/run_requests.py.
 
 A scale-out job has one node per engine group (as many engines as one node of
 the engines' group holds), the engines' group's shape (CPUs, GPUs, memory),
@@ -29,7 +29,6 @@ recipe's `cluster.slurm.time`.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -38,56 +37,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from relax_core.config.schema import Recipe, rollout_group_name
+from relax_core.run_requests import SCALE_FOLDER, read_json, write_private
 from relax_core.rundir import RunDir
 
 log = logging.getLogger(__name__)
-FOLDER = "scale"
 STATE_EVERY_S = 3.0  # how often the supervisor asks Slurm about its scale-out jobs
 WARN_EVERY_S = 300.0  # while squeue fails, how often the job's log says so again
 MIN_SERVING_S = 600  # the least a scale-out job's engines should serve before its time limit's USR1
-
-
-def _folder(run: RunDir) -> Path:
-    path = run.path / FOLDER
-    path.mkdir(exist_ok=True)
-    return path
-
-
-def _write(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-class ScaleJobRequests:
-    """The driver's side: ask for a scale-out job, read what became of it, ask for its end."""
-
-    def __init__(self, run: RunDir):
-        self.folder = _folder(run)
-
-    def submit(self, op_id: str, nodes: int) -> None:
-        _write(self.folder / f"{op_id}.submit.json", {"op": op_id, "nodes": nodes})
-
-    def result(self, op_id: str) -> dict[str, Any] | None:
-        return _read(self.folder / f"{op_id}.job.json")
-
-    def cancel(self, op_id: str) -> None:
-        path = self.folder / f"{op_id}.cancel"
-        if not path.exists():
-            path.write_text("")
-
-    def ending(self, op_id: str) -> bool:
-        return (self.folder / f"{op_id}.ending").exists()
 
 
 def scale_job_options(recipe: Recipe, run: RunDir, op_id: str, nodes: int,
@@ -172,7 +130,7 @@ class ScaleJobs:
 
     def __init__(self, recipe: Recipe, run: RunDir):
         self.recipe, self.run = recipe, run
-        self.folder = run.path / FOLDER
+        self.folder = run.path / SCALE_FOLDER
         self.jobs: dict[str, str] = {}  # op -> Slurm job id, of the jobs still running
         self._next_state = 0.0
         self._failing_since: float | None = None  # since when squeue fails (None: it answers)
@@ -194,7 +152,7 @@ class ScaleJobs:
     def _submit(self, request: Path) -> None:
         from relax_core.launch.slurm import submit_script
 
-        asked = _read(request)
+        asked = read_json(request)
         request.unlink(missing_ok=True)
         if not asked:
             return
@@ -204,7 +162,7 @@ class ScaleJobs:
             why = (f"the run's job ends in {max(left, 0) / 60:.0f} min, too soon for a scale-out job: it needs "
                    f"{least_time_s(self.recipe) / 60:.0f} min (cluster.slurm.signal_before_end_s plus "
                    f"{MIN_SERVING_S // 60} min of serving); nothing submitted")
-            _write(self.folder / f"{op_id}.job.json", {"error": why})
+            write_private(self.folder / f"{op_id}.job.json", {"error": why})
             print(f"relax: scale-out {op_id}: {why}", file=sys.stderr, flush=True)
             return
         script = self.folder / f"{op_id}.sbatch"
@@ -212,11 +170,11 @@ class ScaleJobs:
             script.write_text(render_scale_script(self.recipe, self.run, op_id, nodes, time_left_s=left))
             job_id = submit_script(script, env=outside_this_job())
         except Exception as exc:  # Slurm's refusal, named for the user
-            _write(self.folder / f"{op_id}.job.json", {"error": f"sbatch refused the scale-out job: {exc}"})
+            write_private(self.folder / f"{op_id}.job.json", {"error": f"sbatch refused the scale-out job: {exc}"})
             print(f"relax: scale-out {op_id}: {exc}", file=sys.stderr, flush=True)
             return
         self.jobs[op_id] = job_id
-        _write(self.folder / f"{op_id}.job.json", {"job_id": job_id, "nodes": nodes})
+        write_private(self.folder / f"{op_id}.job.json", {"job_id": job_id, "nodes": nodes})
         print(f"relax: scale-out {op_id}: submitted Slurm job {job_id} ({nodes} node(s))", flush=True)
 
     def _cancel(self, op_id: str) -> None:
@@ -259,7 +217,7 @@ class ScaleJobs:
 
     def _mark_ended(self, op_id: str, how: str) -> None:
         path = self.folder / f"{op_id}.job.json"
-        _write(path, (_read(path) or {}) | {"ended": how})
+        write_private(path, (read_json(path) or {}) | {"ended": how})
 
     def cancel_all(self) -> None:
         for op_id in list(self.jobs):

@@ -24,10 +24,10 @@ from typing import Any
 from relax_core.checkpoint.layout import find_latest
 from relax_core.checkpoint.owner import check_owner, holds_checkpoints
 from relax_core.config import Recipe, dump_recipe, load_recipe
+from relax_core.config.same_run import check_same_run, describe, stored_recipe
 from relax_core.errors import RecipeError, UserError
 from relax_core.launch.executors import Executor, choose_executor
 from relax_core.launch.preflight import preflight
-from relax_core.launch.same_run import check_same_run, describe, stored_recipe
 from relax_core.rundir import RunDir, in_use_message, lock_holder, new_run_dir
 
 

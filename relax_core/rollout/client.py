@@ -404,3 +404,17 @@ def _error_message(response: Reply) -> str:
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error)
+
+
+def answers_health(url: str | None, api_key: str, timeout_s: float) -> bool:
+    """Whether the engine at `url` answers /health with 200 within `timeout_s` (a blocking call, for a
+    thread of its own; an `EngineClient` asks from an event loop)."""
+    import httpx
+
+    if not url:
+        return False
+    try:
+        response = httpx.get(f"{url}/health", timeout=timeout_s, headers={"Authorization": f"Bearer {api_key}"})
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200

@@ -164,7 +164,7 @@ class RolloutManager:
             if self.recovery is None:
                 raise failed[0][1]
             # Nothing is in flight now: a safe point to replace engines (controller/recovery.py).
-            await self.set_clients(await self.recovery.recover(failed[0][1]))
+            await self.replace_engines(failed[0][1])
             chunks = [chunk for chunk, _ in failed]
             self.resent += sum(len(chunk) for chunk in chunks)
             log.warning("sending %d sample(s) again after an engine was replaced",
@@ -172,6 +172,11 @@ class RolloutManager:
             todo = [(self.clients[i % len(self.clients)], chunk) for i, chunk in enumerate(chunks)]
         raise RuntimeError(f"the engines failed {MAX_RECOVERIES + 1} times in one step; see the engine logs "
                            "under the run's logs/ directory")
+
+    async def replace_engines(self, error: Exception) -> None:
+        """The recovery replaces the engines that failed (`error`: the failure that showed it); the next
+        requests go to the engines serving then. Call it with nothing in flight."""
+        await self.set_clients(await self.recovery.recover(error))
 
     async def _watched(self, work):
         """Await `work` while the recovery's watch asks every engine for /health (an engine that does not
@@ -198,7 +203,7 @@ class RolloutManager:
             except (EngineUnreachable, EngineError) as exc:
                 if self.recovery is None:
                     raise
-                await self.set_clients(await self.recovery.recover(exc))
+                await self.replace_engines(exc)
                 self.resent += len(rows) * n
                 log.warning("running the step's %d trajectories again after an engine was replaced", len(rows) * n)
         else:

@@ -301,15 +301,12 @@ class RolloutService:
 
         if self._version <= self.engine_version:
             return 0.0
-        from relax_core.cluster.actors import describe
-
         start = time.perf_counter()
         version = self._version
         try:
             stats = ray.get(self.trainer0.sync_weights.remote(None))
         except Exception as exc:  # an engine died: once it is replaced, every engine holds these weights
-            endpoints = self._await_recovery(describe(exc))
-            self.loop.run_until_complete(self.manager.set_clients(self._clients(endpoints)))
+            self.loop.run_until_complete(self.manager.replace_engines(exc))
             stats = {"sync_version": version}
         self.engine_version = int(stats.get("sync_version", version))
         return time.perf_counter() - start

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from relax_core.config import load_recipe
 from relax_core.launch import scale_jobs
-from relax_core.launch.scale_jobs import ScaleJobRequests, ScaleJobs, slurm_duration_s
+from relax_core.launch.scale_jobs import ScaleJobs, slurm_duration_s
 from relax_core.launch.slurm import scheduler_states
+from relax_core.run_requests import ScaleJobRequests
 from relax_core.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]

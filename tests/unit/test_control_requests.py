@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from relax_core.launch.control import REQUEST_TTL_S, control_folder, read_trusted, write_private
+from relax_core.run_requests import REQUEST_TTL_S, control_folder, read_trusted, write_private
 from relax_core.rundir import RunDir
 
 ASKED = {"method": "POST", "path": "/v1/scale", "json": {"delta": 1}}

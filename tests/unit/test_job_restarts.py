@@ -20,8 +20,12 @@ def job(tmp_path, lost=(), stopping=False):
     stop = threading.Event()
     if stopping:
         stop.set()
-    return SimpleNamespace(stop=stop, lost_processes=lambda timeout_s: list(lost), checkpointed=8,
+    return SimpleNamespace(stop=stop, lost=list(lost), progress=SimpleNamespace(checkpointed=8),
                            run=SimpleNamespace(logs=tmp_path / "logs"))
+
+
+def restarts_at_most(limit: int) -> JobRestarts:
+    return JobRestarts(limit, probe=lambda job, timeout_s: job.lost)
 
 
 class OutOfMemoryError(RuntimeError):  # as torch names it
@@ -29,7 +33,7 @@ class OutOfMemoryError(RuntimeError):  # as torch names it
 
 
 def test_a_lost_rank_restarts_until_the_limit_then_the_run_ends_naming_it(tmp_path):
-    restarts = JobRestarts(2)
+    restarts = restarts_at_most(2)
     died = job(tmp_path, lost=["trainer rank 1 (pid 7 on n1) is gone (ActorDiedError: ...)"])
     for count in (1, 2):
         assert restarts.cause(RuntimeError("gloo: connection reset"), died).startswith("trainer rank 1")
@@ -42,7 +46,7 @@ def test_a_lost_rank_restarts_until_the_limit_then_the_run_ends_naming_it(tmp_pa
 
 
 def test_errors_a_restart_would_repeat_end_the_run_at_once(tmp_path):
-    restarts = JobRestarts(3)
+    restarts = restarts_at_most(3)
     healthy = job(tmp_path)
     assert restarts.cause(RecipeError("data.path: no such file"), job(tmp_path, lost=["rank"])) is None
     assert restarts.cause(EngineFailed("engine e0 ..."), healthy) is None
@@ -53,7 +57,7 @@ def test_errors_a_restart_would_repeat_end_the_run_at_once(tmp_path):
 
 
 def test_out_of_memory_restarts_once_and_the_same_error_again_ends_the_run(tmp_path):
-    restarts, healthy = JobRestarts(3), job(tmp_path)
+    restarts, healthy = restarts_at_most(3), job(tmp_path)
     first = OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     wrapped = RuntimeError("ray task failed")
     wrapped.cause = first  # as a Ray task's error carries what the task raised

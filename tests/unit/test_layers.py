@@ -16,7 +16,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "relax_core"
 LAYERS = [
-    ("errors", "assets", "plugin_files", "rundir"),
+    ("errors", "assets", "plugin_files", "rundir", "run_requests"),
     ("config",),
     ("algorithms",),
     ("metrics", "models"),
@@ -38,13 +38,9 @@ STILL_UPWARD = {
     ("config/algorithms.py", "relax_core.algorithms.specs"),
     ("config/schema.py", "relax_core.metrics.notify"),
     ("config/schema.py", "relax_core.rewards.genrm"),
-    ("controller/api.py", "relax_core.launch.control"),
-    ("controller/job.py", "relax_core.launch.same_run"),
-    ("controller/job.py", "relax_core.launch.scale_jobs"),
     ("data/bus.py", "relax_core.rollout.types"),
     ("entrypoints/slurm_job.py", "relax_core.launch.hub"),
     ("entrypoints/slurm_job.py", "relax_core.launch.scale_jobs"),
-    ("entrypoints/slurm_scale.py", "relax_core.launch.scale_jobs"),
     ("entrypoints/slurm_steps.py", "relax_core.launch.container"),
     ("rewards/judge_service.py", "relax_core.controller.workers"),
     ("rollout/cpu_engine/server.py", "relax_core.weights.ipc"),

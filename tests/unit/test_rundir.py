@@ -16,8 +16,8 @@ import yaml
 from relax_core.checkpoint.layout import CheckpointError
 from relax_core.checkpoint.owner import check_owner, claim
 from relax_core.config import dump_recipe, load_recipe
+from relax_core.config.same_run import check_same_run, fingerprint, stored_recipe
 from relax_core.errors import RecipeError, UserError
-from relax_core.launch.same_run import check_same_run, fingerprint, stored_recipe
 from relax_core.metrics.tracker import MetricsTracker
 from relax_core.rundir import DriverLock, RunDir, file_system, lock_holder
 
