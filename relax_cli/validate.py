@@ -22,8 +22,8 @@ def validate(
     here: the recipe may be meant for another cluster.
     """
     from relax_core.config import dump_recipe, load_recipe
-    from relax_core.launch.executors import choose_executor
-    from relax_core.launch.plan import plan_lines, planned_executor
+    from relax_core.launch.executors import choose_executor, planned_executor
+    from relax_core.launch.plan import plan_lines
     from relax_core.launch.preflight import raise_if, recipe_problems
 
     resolved = load_recipe(recipe, overrides or [])

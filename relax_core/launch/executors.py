@@ -5,8 +5,11 @@
 
 `relax submit` asks the chosen executor for its own checks (`problems`), for
 what it will submit (`prepare`: nothing written) and to start the run
-(`launch`); `relax status` and `relax cancel` ask the executor that run.json
-names. Nothing outside these classes branches on an executor's name.
+(`launch`); `relax validate` for where its node groups run (`on_this_machine`,
+`placement`); `relax status` and `relax cancel` ask the executor that run.json
+names. Inside the job, the driver's entry point hands the controller the
+executor's part of `relax scale-rollout` (controller/scale_out.py). Nothing
+outside these classes branches on an executor's name (tests/unit/test_one_home.py).
 Light imports only: the CLI uses this on the login node.
 """
 
@@ -38,6 +41,11 @@ class Executor(ABC):
     """The interface; the defaults suit an executor that has nothing to add at that point."""
 
     name = ""
+    on_this_machine = False  # every node group is a share of this machine (each pinned to its own cores)
+
+    def placement(self, recipe) -> tuple[str, list[str]]:
+        """Where the recipe's node groups run, as the plan says it: a few words, and notes below them."""
+        return "", []
 
     def problems(self, recipe) -> list[str]:
         """What this executor cannot run in the recipe, one line per field (exit 2 before anything is written)."""
@@ -78,3 +86,12 @@ def choose_executor(recipe) -> Executor:
 
         name = "slurm" if slurm_answers() else "local"
     return executor_named(name)
+
+
+def planned_executor(recipe) -> str:
+    """The executor `relax submit` would pick, without asking Slurm (`auto`: slurm when sbatch is on PATH)."""
+    if recipe.cluster.executor != "auto":
+        return recipe.cluster.executor
+    import shutil
+
+    return "slurm" if shutil.which("sbatch") else "local"

@@ -55,6 +55,10 @@ class LocalExecutor(Executor):
     """The whole run on this machine, its driver in this process."""
 
     name = "local"
+    on_this_machine = True
+
+    def placement(self, recipe) -> tuple[str, list[str]]:
+        return "every node group on this machine", []
 
     def problems(self, recipe) -> list[str]:
         return [f"cluster.{group}.nodes: the local executor runs each node group on this one machine; "

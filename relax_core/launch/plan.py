@@ -47,6 +47,7 @@ from relax_core.cluster.placement import (
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import advantage_service, mode_spec, reference_service
 from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
+from relax_core.launch.executors import Executor, executor_named
 
 _PLACEHOLDER = re.compile(r"'(<[\w-]+>[\w./-]*)'")  # shlex quotes `<port>`; the plan shows it bare
 
@@ -100,14 +101,14 @@ class Row:
 class _Planner:
     """The rows and engine command lines of one recipe on one executor."""
 
-    def __init__(self, recipe: Recipe, executor: str):
-        self.recipe, self.local = recipe, executor == "local"
-        self.cpu_sets = local_cpu_sets(recipe) if self.local else {}  # the local executor pins each group's cores
+    def __init__(self, recipe: Recipe, executor: Executor):
+        self.recipe, self.here = recipe, executor.on_this_machine
+        self.cpu_sets = local_cpu_sets(recipe) if self.here else {}  # each group pinned to its own cores
 
     def threads(self, group: str) -> int:
         """Torch threads of a trainer rank or CPU engine of `group` (controller/job.py gives them the same)."""
         node, pinned = getattr(self.recipe.cluster, group), self.cpu_sets.get(group)
-        cores = min(len(pinned or ()) or node.cpus_per_node, os.cpu_count() or 1) if self.local else node.cpus_per_node
+        cores = min(len(pinned or ()) or node.cpus_per_node, os.cpu_count() or 1) if self.here else node.cpus_per_node
         return threads_per_process(self.recipe, group, cores)
 
     def cpu(self, group: str, threads: int | None = None, cores: list[int] | None = None) -> str:
@@ -291,24 +292,15 @@ def plan_lines(recipe: Recipe, executor: str, python: str | None = None, run_dir
     memory plan of each GPU (`memory.py`).
 
     Args:
-        executor: `local` (every node group a share of this machine's cores) or `slurm`.
+        executor: the executor's name (launch/executors.py), which says where the node groups run.
         python: the interpreter the command lines name (default: this one).
         run_dir: the run directory, when known (else `<run-dir>`).
     """
-    cluster = recipe.cluster
-    if executor == "local":
-        where = "every node group on this machine"
-    elif cluster.heterogeneous:
-        where = "het group " + ", ".join(f"{i}: {name}" for i, name in enumerate(cluster.groups))
-    else:  # cluster.slurm.layout: one plain job, split by node list
-        nodes = sum(getattr(cluster, name).nodes for name in cluster.groups)
-        where = f"one job of {_nodes(nodes)}: " + ", then ".join(f"{getattr(cluster, name).nodes} {name}"
-                                                                 for name in cluster.groups)
-    lines = [f"plan: {recipe.mode} on the {executor} executor ({where})"]
-    if executor != "local" and cluster.heterogeneous and cluster.slurm.layout == "auto":
-        lines.append(f"  a het job (cluster.slurm.layout auto), as {'; '.join(cluster.shape_differences())}")
+    chosen = executor_named(executor)
+    where, notes = chosen.placement(recipe)
+    lines = [f"plan: {recipe.mode} on the {executor} executor ({where})"] + [f"  {note}" for note in notes]
     lines += [f"  {line}" for line in _group_lines(recipe)]
-    planner = _Planner(recipe, executor)
+    planner = _Planner(recipe, chosen)
     for row in planner.rows():
         where = f"{row.group}[{'*' if row.node is None else row.node}]"
         lines.append(f"  {where:<13} {row.devices:<28} {row.process}")
@@ -323,12 +315,3 @@ def plan_lines(recipe: Recipe, executor: str, python: str | None = None, run_dir
         legend.append(f"<judge-model-dir>: the hub snapshot of {recipe.reward.genrm.model} (fetched once)")
     text = "\n".join(lines + [f"  {item}" for item in legend] + memory_lines(recipe))
     return (text.replace("<run-dir>", run_dir) if run_dir else text).splitlines()
-
-
-def planned_executor(recipe: Recipe) -> str:
-    """The executor `relax submit` would pick, without asking Slurm (`auto`: slurm when sbatch is on PATH)."""
-    if recipe.cluster.executor != "auto":
-        return recipe.cluster.executor
-    import shutil
-
-    return "slurm" if shutil.which("sbatch") else "local"

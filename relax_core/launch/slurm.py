@@ -304,6 +304,17 @@ class SlurmExecutor(Executor):
 
     name = "slurm"
 
+    def placement(self, recipe: Recipe) -> tuple[str, list[str]]:
+        cluster = recipe.cluster
+        if not cluster.heterogeneous:  # cluster.slurm.layout: one plain job, split by node list
+            nodes = sum(getattr(cluster, name).nodes for name in cluster.groups)
+            return (f"one job of {nodes} node{'s' if nodes != 1 else ''}: "
+                    + ", then ".join(f"{getattr(cluster, name).nodes} {name}" for name in cluster.groups), [])
+        where = "het group " + ", ".join(f"{i}: {name}" for i, name in enumerate(cluster.groups))
+        if cluster.slurm.layout != "auto":
+            return where, []
+        return where, [f"a het job (cluster.slurm.layout auto), as {'; '.join(cluster.shape_differences())}"]
+
     def problems(self, recipe: Recipe) -> list[str]:
         from relax_core.launch.container import check_container
 

@@ -5,7 +5,9 @@ compares the name itself. A newcomer who must change how one mode does something
 The check reads relax_core's source (AST). A mode's name, in code rather than in a docstring, may appear
 only in config/modes.py (the names are unique words). An engine kind's name may not be compared with
 `engine` (`rollout.engine == "sglang"`) outside config/engines.py: "cpu" is also a device type, and
-"sglang" the package doctor checks and rollout/sglang_source.py reads.
+"sglang" the package doctor checks and rollout/sglang_source.py reads. An executor's name may not be
+compared with anything outside launch/executors.py: what differs between executors is a method or
+property of the `Executor` (and, inside the job, of controller/scale_out.py's `ScaleOut`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from relax_core.config.engines import ENGINE_KINDS
 from relax_core.config.modes import MODE_NAMES
+from relax_core.launch.executors import _EXECUTORS
 
 PACKAGE = Path(__file__).resolve().parents[2] / "relax_core"
 
@@ -53,6 +56,15 @@ def engine_kinds_compared(path: Path, root: Path = PACKAGE) -> list[str]:
     return found
 
 
+def executors_compared(path: Path, root: Path = PACKAGE) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and any(isinstance(side, ast.Constant) and side.value in _EXECUTORS
+                                                 for side in [node.left, *node.comparators]):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
 def sources(but: str) -> list[Path]:
     return [path for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).as_posix() != but]
 
@@ -68,6 +80,12 @@ def test_engine_kinds_are_compared_only_in_the_engine_spec():
         "\n".join(found)
 
 
+def test_executors_are_compared_only_in_the_executor_registry():
+    found = [hit for path in sources("launch/executors.py") for hit in executors_compared(path)]
+    assert not found, "executor names compared outside relax_core/launch/executors.py (add to the Executor or " \
+        "ScaleOut interface instead):\n" + "\n".join(found)
+
+
 def test_the_checks_find_what_they_look_for(tmp_path):
     """A planted comparison of each kind is found; a docstring's mention and a device type are not."""
     planted = tmp_path / "planted.py"
@@ -75,6 +93,9 @@ def test_the_checks_find_what_they_look_for(tmp_path):
                        'def f(recipe, tensor):\n'
                        '    if tensor.device.type == "cpu":\n'
                        '        return recipe.rollout.engine == "sglang"\n'
+                       '    if op.source != "slurm":\n'
+                       '        return None\n'
                        '    return recipe.mode == "hybrid"\n')
-    assert mode_names_in_code(planted, root=tmp_path) == ["planted.py:6: 'hybrid'"]
+    assert mode_names_in_code(planted, root=tmp_path) == ["planted.py:8: 'hybrid'"]
+    assert executors_compared(planted, root=tmp_path) == ["planted.py:6: op.source != 'slurm'"]
     assert engine_kinds_compared(planted, root=tmp_path) == ["planted.py:5: recipe.rollout.engine == 'sglang'"]
