@@ -104,3 +104,10 @@ def local_cpu_sets(recipe: Recipe) -> dict[str, list[int]]:
     if cluster.reference.nodes and len(reference) == cluster.reference.cpus_per_node:
         sets["reference"] = reference
     return sets
+
+
+def handover_sources(recipe: Recipe, slot: int) -> list[int]:
+    """The trainer rank on the GPU of each TP rank of the engine in GPU slot `slot` (`trainer_gpu`'s layout:
+    trainer rank r on GPU r % G of node r // G), which hands that TP rank its weights."""
+    node, gpus = engine_slot_gpus(recipe, slot)
+    return [node * recipe.cluster.train.gpus_per_node + gpu for gpu in gpus]

@@ -9,7 +9,7 @@
     told to stop (job.stop, controller/preemption.py)? a rollout in progress is aborted and dropped,
     a training step in progress finishes; checkpoint the last completed step and return "stopped"
 
-On shared GPUs (colocate on GPU nodes without a rollout group, `shares_gpus`)
+On shared GPUs (colocate on GPU nodes without a rollout group, `engines_share_train_gpus`)
 the engines and the trainer ranks take turns with the GPU memory, and the
 weights move by reference (CUDA IPC, relax_core/weights/ipc.py: NCCL cannot
 broadcast between two ranks on one device), in the order verl and slime use:
@@ -30,8 +30,7 @@ from __future__ import annotations
 from functools import partial
 from statistics import fmean
 
-from relax_core.cluster.placement import engine_slot_gpus, engines_share_train_gpus
-from relax_core.config.schema import Recipe
+from relax_core.cluster.placement import engines_share_train_gpus
 from relax_core.controller.job import Job, timed
 from relax_core.controller.preemption import Preempted
 from relax_core.rollout.types import Sample
@@ -42,7 +41,7 @@ WEIGHT_TAGS, CACHE_TAGS = ["weights"], ["kv_cache", "cuda_graph"]
 
 def train_colocate(job: Job) -> str:
     total = job.recipe.train.steps
-    start = job.resume(partial(resync, job) if shares_gpus(job.recipe) else None)
+    start = job.resume(partial(resync, job) if engines_share_train_gpus(job.recipe) else None)
     for step in range(start + 1, total + 1):
         engine_stats = job.elastic.apply(job.loop, job.set_endpoints)  # between steps: engines idle
         try:
@@ -71,22 +70,9 @@ def check_distinct(step: int, samples: list[Sample]) -> None:
                            "would be trained on twice")
 
 
-def shares_gpus(recipe: Recipe) -> bool:
-    """The engines run on the trainer ranks' GPUs: they release their memory while the trainer trains,
-    and receive the weights by reference."""
-    return engines_share_train_gpus(recipe)
-
-
-def handover_sources(recipe: Recipe, slot: int) -> list[int]:
-    """The trainer rank on the GPU of each TP rank of the engine in GPU slot `slot` (launch/plan.py's layout:
-    trainer rank r on GPU r % G of node r // G), which hands that TP rank its weights."""
-    node, gpus = engine_slot_gpus(recipe, slot)
-    return [node * recipe.cluster.train.gpus_per_node + gpu for gpu in gpus]
-
-
 def train_step(job: Job, samples: list[Sample]) -> dict[str, float]:
     """One training step; on shared GPUs the engines' memory released and the ranks' state reloaded for it."""
-    if shares_gpus(job.recipe):
+    if engines_share_train_gpus(job.recipe):
         job.engines.release_memory(job.loop)
         job.wake_trainers()
     return job.train(samples)
@@ -95,7 +81,7 @@ def train_step(job: Job, samples: list[Sample]) -> dict[str, float]:
 def sync_weights(job: Job, step: int) -> dict[str, float]:
     """The new weights into every engine; on shared GPUs the ranks keep only the policy while the engines
     resume their weights and take it over, then hand the rest of the GPU back before the cache resumes."""
-    if not shares_gpus(job.recipe):
+    if not engines_share_train_gpus(job.recipe):
         return job.sync_weights(step)
     job.sleep_trainers(["optimizer"])
     job.engines.resume_memory(job.loop, WEIGHT_TAGS)

@@ -23,7 +23,7 @@ from functools import cached_property, partial
 from typing import Any
 
 from relax_core.cluster.actors import end_actors
-from relax_core.cluster.placement import threads_per_process
+from relax_core.cluster.placement import engines_share_train_gpus, handover_sources, threads_per_process
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
@@ -206,7 +206,6 @@ class Job:
         return threads_per_process(self.recipe, group, min(cores, os.cpu_count() or 1))
 
     def _engine_set(self):
-        from relax_core.controller.colocate import handover_sources, shares_gpus
         from relax_core.controller.engines import EngineSet, EngineSpec
         from relax_core.rollout.sglang_engine import server_args
 
@@ -217,9 +216,10 @@ class Job:
                           self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group),
                           trust_remote_code=trust_remote_code(self.recipe), engine=ro.engine,
                           engine_args=server_args(ro), video=engine_video(self.recipe))
+        shared = engines_share_train_gpus(self.recipe)  # each engine rank fed by the trainer rank on its GPU
         return EngineSet(self._ray, spec, bucket_bytes=int(self.recipe.train.weight_sync_bucket_mb * 2**20),
                          slots=self.slots, router=self._router(),
-                         sources_of=partial(handover_sources, self.recipe) if shares_gpus(self.recipe) else None)
+                         sources_of=partial(handover_sources, self.recipe) if shared else None)
 
     def _router(self):
         """The router in front of the engines, when the recipe asks for one (`rollout.router`)."""
@@ -243,10 +243,8 @@ class Job:
         """Each rank's `setup` (its model loaded), once rank 0's rendezvous address is known."""
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
         config = trainer_config(self.recipe)
-        from relax_core.controller.colocate import shares_gpus
-
         # On shared GPUs every rank hands its own gathered buckets over (weights/ipc.py): no whole copy kept.
-        keep_live = not shares_gpus(self.recipe)
+        keep_live = not engines_share_train_gpus(self.recipe)
         checkpoint_names = engine_kind(self.recipe.rollout.engine).loads_by_checkpoint_names
         megatron = megatron_options(self.recipe)
         return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"),

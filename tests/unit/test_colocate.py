@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from relax_core.cluster.placement import engines_share_train_gpus, handover_sources
 from relax_core.config import load_recipe
 from relax_core.controller import colocate
 
@@ -34,16 +35,16 @@ QUICKSTART = RECIPES / "quickstart.yaml"
     (QUICKSTART, ["cluster.rollout.nodes=0"], False),  # CPU engines on the train group: gloo broadcast as before
 ])
 def test_engines_share_the_trainer_ranks_gpus_only_in_colocate_on_gpu_nodes(path, overrides, shared):
-    assert colocate.shares_gpus(load_recipe(path, overrides)) is shared
+    assert engines_share_train_gpus(load_recipe(path, overrides)) is shared
 
 
 def test_each_engine_rank_is_fed_by_the_trainer_rank_on_its_gpu():
     one_node = load_recipe(FSDP)
-    assert [colocate.handover_sources(one_node, slot) for slot in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [handover_sources(one_node, slot) for slot in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     two_nodes = load_recipe(FSDP, ["cluster.train.nodes=2", "rollout.num_engines=8"])
-    assert colocate.handover_sources(two_nodes, 5) == [10, 11]  # node 1, GPUs 2 and 3
+    assert handover_sources(two_nodes, 5) == [10, 11]  # node 1, GPUs 2 and 3
     tp1 = load_recipe(FSDP, ["rollout.gpus_per_engine=1", "rollout.num_engines=8"])
-    assert [colocate.handover_sources(tp1, slot) for slot in range(8)] == [[r] for r in range(8)]
+    assert [handover_sources(tp1, slot) for slot in range(8)] == [[r] for r in range(8)]
 
 
 class _Recorder:
