@@ -16,6 +16,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from relax_core.cluster.node import transfer_queue_cpus
 from relax_core.cluster.placement import local_cpu_sets, local_slots
 from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe
@@ -37,9 +38,11 @@ def run_driver(recipe: Recipe, run: RunDir, console=None) -> str:
     from relax_core.controller.preemption import stop_on_signals
 
     setup_logging(run)
-    # + 2: TransferQueue's controller and storage unit each hold a Ray CPU (the asynchronous modes);
-    # the project's own actors take none (their cores are the node groups').
-    cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines) + 2
+    # The project's own actors take no Ray CPU (their cores are the node groups'); TransferQueue's
+    # controller and storage unit take one each (the asynchronous modes): the one node is the head and a
+    # training node.
+    cpus = max(os.cpu_count() or 1, recipe.train_ranks + recipe.rollout.num_engines)
+    cpus += transfer_queue_cpus(recipe, "train", head=True)
     bus = mode_spec(recipe.mode).bus  # TransferQueue
     with ThreadPoolExecutor(1, thread_name_prefix="model-dir") as pool:
         # The model directory (and the import of torch and transformers it takes) while Ray starts,
