@@ -30,7 +30,7 @@ from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller.progress import Progress
 from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.scale_out import LocalScaleOut, ScaleOut
-from relax_core.controller.workers import TrainerWorker
+from relax_core.controller.workers import RankSetup, TrainerWorker
 from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched
 from relax_core.rollout.settings import agentic, engine_video, media_prompts, sampling_config
 from relax_core.rollout.types import Sample
@@ -242,14 +242,13 @@ class Job:
     def _setup_trainers(self) -> list:
         """Each rank's `setup` (its model loaded), once rank 0's rendezvous address is known."""
         master = self._ray.get(self.trainers[0].rendezvous_address.remote())
-        config = trainer_config(self.recipe)
-        # On shared GPUs every rank hands its own gathered buckets over (weights/ipc.py): no whole copy kept.
-        keep_live = not engines_share_train_gpus(self.recipe)
-        checkpoint_names = engine_kind(self.recipe.rollout.engine).loads_by_checkpoint_names
-        megatron = megatron_options(self.recipe)
-        return [t.setup.remote(master, str(self.model_dir), config, self._threads("train"), self.cpu_sets.get("train"),
-                               keep_live, checkpoint_names, megatron, self.mode.bus)
-                for t in self.trainers]
+        how = RankSetup(str(self.model_dir), trainer_config(self.recipe), self._threads("train"),
+                        self.cpu_sets.get("train"),
+                        # on shared GPUs every rank hands its own gathered buckets over: no whole copy kept
+                        keep_live=not engines_share_train_gpus(self.recipe),
+                        checkpoint_names=engine_kind(self.recipe.rollout.engine).loads_by_checkpoint_names,
+                        megatron=megatron_options(self.recipe), bus=self.mode.bus)
+        return [t.setup.remote(master, how) for t in self.trainers]
 
     def _connect(self) -> None:
         from relax_core.rewards.hub import RewardHub

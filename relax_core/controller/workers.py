@@ -79,6 +79,32 @@ def _storage(tensor) -> int | None:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class RankSetup:
+    """What each trainer rank loads, and how (`Job` makes it from the recipe; `TrainerWorker.setup`).
+
+    Args:
+        config: the trainer's `TrainConfig` (train/settings.py `trainer_config`).
+        threads, cpus: torch threads; the cores to pin the rank to (None: not pinned).
+        keep_live (sharded): rank 0 keeps the whole weights after every change (`_gather_live`); off where
+            every rank hands its own buckets over instead (engines on the trainer ranks' GPUs).
+        checkpoint_names (SGLang engines): weights go to the engines under the model directory's own names
+            (`hf_media.checkpoint_named`: a multimodal model's differ from its parameters').
+        megatron (`MegatronOptions`): the megatron backend with this parallel layout; None: torch/FSDP2.
+        bus: the rows come from TransferQueue (asynchronous modes), imported at set-up rather than in the
+            first step's read.
+    """
+
+    model_dir: str
+    config: Any
+    threads: int
+    cpus: list[int] | None = None
+    keep_live: bool = True
+    checkpoint_names: bool = False
+    megatron: Any = None
+    bus: bool = False
+
+
 class TrainerWorker:
     """One data-parallel training rank; `setup` joins the group and loads the model."""
 
@@ -125,20 +151,15 @@ class TrainerWorker:
         return dist.TCPStore(host, int(port), self.world_size, is_master=False,
                              timeout=timedelta(seconds=RENDEZVOUS_TIMEOUT))
 
-    def setup(self, master: str, model_dir: str, config, threads: int, cpus: list[int] | None = None,
-              keep_live: bool = True, checkpoint_names: bool = False, megatron=None, bus: bool = False) -> int:
-        """Join the group and load the model. `keep_live` (sharded): rank 0 keeps the whole weights after
-        every change (`_gather_live`); off where every rank hands its own buckets over instead.
-        `checkpoint_names` (SGLang engines): weights go to the engines under the model directory's own
-        names (`hf_media.checkpoint_named`: a multimodal model's differ from its parameters').
-        `megatron` (`MegatronOptions`): the megatron backend with this parallel layout. `bus`: the rows come
-        from TransferQueue (asynchronous modes), imported here rather than in the first step's read."""
+    def setup(self, master: str, how: RankSetup) -> int:
+        """Join the group (rank 0's rendezvous at `master`) and load the model as `how` says."""
         import torch
         import torch.distributed as dist
 
-        if cpus:
-            pin_process(cpus)
-        torch.set_num_threads(threads)
+        if how.cpus:
+            pin_process(how.cpus)
+        torch.set_num_threads(how.threads)
+        config, model_dir, megatron = how.config, how.model_dir, how.megatron
         device = trainer_device(config)
         if self.world_size > 1:
             dist.init_process_group(collective_backend(device), store=self._rendezvous_store(master),
@@ -146,11 +167,11 @@ class TrainerWorker:
         self.model_dir = model_dir
         self._engine_names = None
         self._fuse = None  # megatron backend, MoE: per-expert tensors -> the transformers model's fused ones
-        if checkpoint_names:
+        if how.checkpoint_names:
             from relax_core.checkpoint.hf_media import checkpoint_named
 
             self._engine_names = checkpoint_named(model_dir)
-        self.keep_live = keep_live
+        self.keep_live = how.keep_live
         config = dataclasses.replace(config, device=device)
         if megatron is not None:
             from relax_core.train.megatron.hf_weights import transformers_named
@@ -159,14 +180,14 @@ class TrainerWorker:
             self.trainer = MegatronTrainer(model_dir, config, megatron.parallel,
                                            distributed_optimizer=megatron.distributed_optimizer)
             self._fuse = transformers_named(self.trainer.hf_config)
-            if not checkpoint_names:  # the CPU engine loads by the transformers model's parameter names
+            if not how.checkpoint_names:  # the CPU engine loads by the transformers model's parameter names
                 self._engine_names = self._fuse
         else:
             from relax_core.train.torch_backend import TorchTrainer
 
             self.trainer = TorchTrainer(model_dir, config)
         self._gather_live()
-        if bus:
+        if how.bus:
             from relax_core.data.bus import import_tq
 
             import_tq()
