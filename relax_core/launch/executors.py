@@ -24,6 +24,7 @@ _EXECUTORS = {
     "local": "relax_core.launch.local:LocalExecutor",
     "slurm": "relax_core.launch.slurm:SlurmExecutor",
 }
+_AUTO = ("slurm", "local")  # what `cluster.executor: auto` picks: the first one `available` here
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class Executor(ABC):
     """The interface; the defaults suit an executor that has nothing to add at that point."""
 
     name = ""
+
+    def available(self) -> bool:
+        """Whether this machine can run it (what `cluster.executor: auto` asks)."""
+        return True
 
     def problems(self, recipe) -> list[str]:
         """What this executor cannot run in the recipe, one line per field (exit 2 before anything is written)."""
@@ -71,10 +76,8 @@ def executor_named(name: str | None) -> Executor | None:
 
 
 def choose_executor(recipe) -> Executor:
-    """The recipe's `cluster.executor`; `auto`: Slurm when `sbatch` is on PATH and a controller answers."""
-    name = recipe.cluster.executor
-    if name == "auto":
-        from relax_core.launch.slurm import slurm_answers
-
-        name = "slurm" if slurm_answers() else "local"
-    return executor_named(name)
+    """The recipe's `cluster.executor`; `auto`: the first of `_AUTO` that this machine can run (Slurm when
+    `sbatch` is on PATH and a controller answers, else local)."""
+    if recipe.cluster.executor == "auto":
+        return next(executor for executor in map(executor_named, _AUTO) if executor.available())
+    return executor_named(recipe.cluster.executor)
