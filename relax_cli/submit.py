@@ -21,7 +21,8 @@ def submit(
 ) -> None:
     """Run a recipe: locally on this machine, or as a Slurm job."""
     from relax_core.launch.plan import plan_lines
-    from relax_core.launch.submit import dry_run_plan, fetch, prepare, record
+    from relax_core.launch.submission import record
+    from relax_core.launch.submit import dry_run_plan, fetch, prepare
 
     sub = prepare(recipe, overrides or [], executor, run_dir)
     if dry_run:

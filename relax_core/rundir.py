@@ -2,6 +2,7 @@
 
     runs/quickstart-20261129-101500/
         recipe.yaml          resolved recipe (written before anything starts)
+        job.sbatch           the Slurm job script (the slurm executor; written beside the recipe)
         run.json             executor, state, pid / job id, times
         metrics.jsonl        one JSON object per step
         tensorboard/         TensorBoard event files
@@ -46,6 +47,7 @@ RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"
 METRICS_FILE = "metrics.jsonl"
 LOCK_FILE = "driver.lock"
+JOB_SCRIPT_FILE = "job.sbatch"
 # What flock fails with where a file system has no locks (Lustre mounted `noflock`, some FUSE and NFS mounts).
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 _WARNED_NO_LOCKS: set[str] = set()
@@ -58,6 +60,10 @@ class RunDir:
     @property
     def recipe(self) -> Path:
         return self.path / RECIPE_FILE
+
+    @property
+    def job_script(self) -> Path:
+        return self.path / JOB_SCRIPT_FILE
 
     @property
     def metrics(self) -> Path:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from relax_core.config.engines import engine_kind
+from relax_core.rollout.engine_command import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +36,20 @@ log = logging.getLogger(__name__)
 class EngineSpec:
     """How to start one engine (the same for every engine of a run)."""
 
-    model_dir: str
+    settings: EngineSettings  # what its command line is built from (rollout/engine_command.py)
     log_dir: str
     api_key: str
-    threads: int
-    seed: int
-    max_running_requests: int
-    gpus: int = 0
     cpus: list[int] | None = None  # cores to pin the engine to (local executor), None: no pinning
-    trust_remote_code: bool = False  # the model directory's own code may run (model.trust_remote_code)
-    engine: str = "cpu"  # rollout.engine: "cpu" or "sglang"
-    engine_args: dict[str, Any] = field(default_factory=dict)  # rollout.engine_args (SGLang server arguments)
-    video: dict[str, Any] = field(default_factory=dict)  # the CPU engine's video sampling (setup.engine_video)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of each engine: its TP size on GPUs, none otherwise."""
+        return self.settings.tp_size if engine_kind(self.settings.engine).on_gpus else 0
 
     @property
     def ranks_per_engine(self) -> int:
         """Ranks each engine has in the weight-update group: every TP rank of an engine on GPUs."""
-        return self.gpus if engine_kind(self.engine).on_gpus else 1
+        return self.gpus or 1
 
     @property
     def weight_backend(self) -> str:
@@ -95,9 +93,7 @@ class EngineSet:
         # while `wait_ready` still waits for the server.
         log_path = f"{s.log_dir}/engine-{index}.log"
         actor = self._ray.remote(max_concurrency=2)(EngineWorker).options(**options).remote(
-            index, s.model_dir, log_path, s.api_key, s.threads, s.seed,
-            s.max_running_requests, s.cpus, s.trust_remote_code, engine=s.engine, engine_args=s.engine_args,
-            tp_size=max(s.gpus, 1), gpus=gpus, video=s.video)
+            index, s.settings, log_path, s.api_key, s.cpus, gpus=gpus)
         if slot is not None:
             self._slot_of[slot] = actor
         self._logs.append((actor, log_path))

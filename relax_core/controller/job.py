@@ -32,7 +32,7 @@ from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.scale_out import LocalScaleOut, ScaleOut
 from relax_core.controller.workers import RankSetup, TrainerWorker
 from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched
-from relax_core.rollout.settings import agentic, engine_video, media_prompts, sampling_config
+from relax_core.rollout.settings import agentic, media_prompts, sampling_config
 from relax_core.rollout.types import Sample
 from relax_core.rundir import RunDir
 from relax_core.train.settings import megatron_options, trainer_config
@@ -207,15 +207,12 @@ class Job:
 
     def _engine_set(self):
         from relax_core.controller.engines import EngineSet, EngineSpec
-        from relax_core.rollout.sglang_engine import server_args
+        from relax_core.rollout.engine_command import rollout_engines
 
-        ro = self.recipe.rollout
         self.run.write_secret(ENGINE_KEY)
         group = rollout_group_name(self.recipe)
-        spec = EngineSpec(str(self.model_dir), str(self.run.logs), self.run.secret(ENGINE_KEY), self._threads(group),
-                          self.recipe.train.seed, ro.max_concurrency, ro.gpus_per_engine, self.cpu_sets.get(group),
-                          trust_remote_code=trust_remote_code(self.recipe), engine=ro.engine,
-                          engine_args=server_args(ro), video=engine_video(self.recipe))
+        settings = rollout_engines(self.recipe, str(self.model_dir), self._threads(group))
+        spec = EngineSpec(settings, str(self.run.logs), self.run.secret(ENGINE_KEY), self.cpu_sets.get(group))
         shared = engines_share_train_gpus(self.recipe)  # each engine rank fed by the trainer rank on its GPU
         return EngineSet(self._ray, spec, bucket_bytes=int(self.recipe.train.weight_sync_bucket_mb * 2**20),
                          slots=self.slots, router=self._router(),

@@ -27,6 +27,7 @@ _EXECUTORS = {
     "local": "relax_core.launch.local:LocalExecutor",
     "slurm": "relax_core.launch.slurm:SlurmExecutor",
 }
+_AUTO = ("slurm", "local")  # what `cluster.executor: auto` picks: the first one `available` here
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class Executor(ABC):
     def placement(self, recipe) -> tuple[str, list[str]]:
         """Where the recipe's node groups run, as the plan says it: a few words, and notes below them."""
         return "", []
+
+    def available(self) -> bool:
+        """Whether this machine can run it (what `cluster.executor: auto` asks)."""
+        return True
 
     def problems(self, recipe) -> list[str]:
         """What this executor cannot run in the recipe, one line per field (exit 2 before anything is written)."""
@@ -79,13 +84,11 @@ def executor_named(name: str | None) -> Executor | None:
 
 
 def choose_executor(recipe) -> Executor:
-    """The recipe's `cluster.executor`; `auto`: Slurm when `sbatch` is on PATH and a controller answers."""
-    name = recipe.cluster.executor
-    if name == "auto":
-        from relax_core.launch.slurm import slurm_answers
-
-        name = "slurm" if slurm_answers() else "local"
-    return executor_named(name)
+    """The recipe's `cluster.executor`; `auto`: the first of `_AUTO` that this machine can run (Slurm when
+    `sbatch` is on PATH and a controller answers, else local)."""
+    if recipe.cluster.executor == "auto":
+        return next(executor for executor in map(executor_named, _AUTO) if executor.available())
+    return executor_named(recipe.cluster.executor)
 
 
 def planned_executor(recipe) -> str:

@@ -19,7 +19,7 @@ import time
 
 from relax_core.launch.executors import Executor, Launched
 from relax_core.launch.status import pid_alive
-from relax_core.launch.submit import Submission, record
+from relax_core.launch.submission import Submission, record
 from relax_core.rundir import DriverLock
 
 

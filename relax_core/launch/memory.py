@@ -78,9 +78,9 @@ def model_shape(recipe: Recipe, folder: str | None = None) -> Shape | None:
 def _config(recipe: Recipe, folder: str | None) -> dict | None:
     model = recipe.model
     if isinstance(model, TinyModel):
-        from relax_core.launch.preflight import _local_config
+        from relax_core.models.model_dir import known_config
 
-        return _local_config(recipe)
+        return known_config(recipe)
     assert isinstance(model, HFModel)
     for candidate in (folder, model.path):
         if candidate and (Path(candidate).expanduser() / "config.json").is_file():

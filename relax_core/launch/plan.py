@@ -44,7 +44,6 @@ from relax_core.cluster.placement import (
     threads_per_process,
     trainer_gpu,
 )
-from relax_core.config.engines import engine_kind
 from relax_core.config.modes import advantage_service, mode_spec, reference_service
 from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
 from relax_core.launch.executors import Executor, executor_named
@@ -188,33 +187,20 @@ class _Planner:
         return Row("train", 0, "CPU", f"driver{router}")
 
     def commands(self, python: str) -> list[tuple[str, list[str]]]:
-        """(name, argv) of every engine server the run starts: the rollout engines, then the judge's."""
-        from relax_core.controller.workers import cpu_engine_command
-        from relax_core.models.model_dir import trust_remote_code
-        from relax_core.rollout.settings import engine_video
+        """(name, argv) of every engine server the run starts: the rollout engines, then the judge's, as
+        `EngineWorker` builds them (rollout/engine_command.py)."""
+        from relax_core.rollout.engine_command import engine_command, judge_engines, rollout_engines
 
         r = self.recipe
-        ro, model_dir, threads = r.rollout, _model_dir_of(r)[0], self.threads(rollout_group_name(r))
-        common = {"python": python, "host": "<node-ip>", "port": "<port>", "max_running_requests": ro.max_concurrency}
-        commands = []
-        for i in range(ro.num_engines):
-            seed, trust = r.train.seed + i, trust_remote_code(r)
-            if engine_kind(ro.engine).binds_own_port:  # the command EngineWorker runs (controller/workers.py)
-                from relax_core.rollout.sglang_engine import server_args, server_command
-
-                argv = server_command(model_dir=model_dir, tp_size=ro.gpus_per_engine, seed=seed, weight_version="0",
-                                      engine_args=server_args(ro), trust_remote_code=trust, **common)
-            else:
-                argv = cpu_engine_command(model_dir=model_dir, fd="<fd>", threads=threads, seed=seed,
-                                          trust_remote_code=trust, video=engine_video(r), **common)
-            commands.append((f"engine {i}", argv))
-        genrm = r.reward.genrm
-        for i in range(r.reward.judge_engines):
-            argv = cpu_engine_command(model_dir=_judge_dir(genrm.model), fd="<fd>", threads=threads,
-                                      seed=r.train.seed + i, trust_remote_code=genrm.trust_remote_code, **common)
-            commands.append((f"judge engine {i}", argv))
+        threads = self.threads(rollout_group_name(r))
+        where = {"python": python, "host": "<node-ip>", "port": "<port>", "fd": "<fd>"}
+        engines = rollout_engines(r, _model_dir_of(r)[0], threads)
+        commands = [(f"engine {i}", engine_command(engines, i, **where)) for i in range(r.rollout.num_engines)]
+        if r.reward.judge_engines:
+            judges = judge_engines(r, _judge_dir(r.reward.genrm.model), threads)
+            commands += [(f"judge engine {i}", engine_command(judges, i, **where))
+                         for i in range(r.reward.judge_engines)]
         return commands
-
 
 def _gpu(where: tuple[int, int]) -> tuple[int, str]:
     return where[0], f"GPU {where[1]}"

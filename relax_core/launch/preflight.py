@@ -24,6 +24,7 @@ from relax_core.data.prompts import MEDIA_TASKS
 from relax_core.errors import RecipeError, UserError
 from relax_core.launch.memory import memory_problems
 from relax_core.launch.plan import resource_problems
+from relax_core.models.model_dir import known_config
 from relax_core.models.tiny import TEMPLATE_CHARS
 
 # Chat-template tokens around one user turn with the tiny tokenizer (one token per
@@ -291,7 +292,7 @@ def _megatron_model_problems(recipe: Recipe) -> list[str]:
     local model directory's config.json; a hub id is checked when the trainer loads it): models other
     than Qwen3 / Qwen3-MoE and, among those, what `train/megatron/model.unsupported` names."""
     train, problems = recipe.train, []
-    config = _local_config(recipe)
+    config = known_config(recipe)
     if config is not None:
         from relax_core.train.megatron.model import Parallel, unsupported
 
@@ -303,26 +304,6 @@ def _megatron_model_problems(recipe: Recipe) -> list[str]:
         problems.append(f"model.architecture: {recipe.model.architecture} with train.backend=megatron (it builds "
                         f"Qwen3 and Qwen3-MoE) {_NOT_YET}; use train.backend=torch")
     return problems
-
-
-def _local_config(recipe: Recipe) -> dict | None:
-    """The model's config.json when it is known before the run: a tiny Qwen3's, or a local directory's."""
-    import json
-
-    model = recipe.model
-    if isinstance(model, TinyModel):
-        if model.architecture != "qwen3":
-            return None
-        from relax_core.models import tiny
-
-        return tiny.qwen3_config_dict(1, hidden_size=model.hidden_size, num_layers=model.num_layers,
-                                      num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                                      intermediate_size=2 * model.hidden_size,
-                                      max_position_embeddings=512, eos_token_id=0, pad_token_id=0)
-    local = Path(model.path).expanduser()
-    if looks_like_hub_id(model.path) or not (local / "config.json").is_file():
-        return None
-    return json.loads((local / "config.json").read_text())
 
 
 def _engine_problems(recipe: Recipe) -> list[str]:

@@ -33,9 +33,7 @@ from typing import Any
 from relax_core.config.schema import NodeGroup, Recipe
 from relax_core.errors import RecipeError
 from relax_core.launch.executors import Executor, Launched
-from relax_core.rundir import RunDir
-
-SCRIPT_NAME = "job.sbatch"
+from relax_core.rundir import JOB_SCRIPT_FILE, RunDir
 
 
 @dataclass
@@ -304,6 +302,9 @@ class SlurmExecutor(Executor):
 
     name = "slurm"
 
+    def available(self) -> bool:
+        return slurm_answers()
+
     def placement(self, recipe: Recipe) -> tuple[str, list[str]]:
         cluster = recipe.cluster
         if not cluster.heterogeneous:  # cluster.slurm.layout: one plain job, split by node list
@@ -326,7 +327,7 @@ class SlurmExecutor(Executor):
         """The rendered job script, once Slurm said it could run it (`sbatch --test-only`)."""
         script = render_job_script(sub.recipe, sub.run)
         with tempfile.TemporaryDirectory(prefix="relax-check-") as folder:
-            path = Path(folder) / SCRIPT_NAME
+            path = Path(folder) / JOB_SCRIPT_FILE
             path.write_text(script)
             test_only(path, sub.recipe)
         sub.job_script = script
@@ -334,11 +335,11 @@ class SlurmExecutor(Executor):
     def launch(self, sub, console) -> Launched:
         """Record the run, write the Ray token (0600) before the job can start, submit the script."""
         from relax_core.cluster.local_ray import token_env
-        from relax_core.launch.submit import record
+        from relax_core.launch.submission import record
 
         record(sub)
         token_env(sub.run)
-        job_id = submit_script(sub.run.path / SCRIPT_NAME, recipe=sub.recipe)
+        job_id = submit_script(sub.run.job_script, recipe=sub.recipe)
         sub.run.update_state(job_id=job_id)
         return Launched("submitted", f"submitted Slurm job {job_id}; follow it with: relax status {sub.run.path}")
 

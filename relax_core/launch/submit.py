@@ -5,7 +5,8 @@
                executor.prepare: e.g. render the job script, `sbatch --test-only` it (still nothing written)
     fetch()    the hub models and data sets the recipe names, into the shared hub cache (launch/hub.py);
                a dry run fetches nothing
-    record()   run directory with the resolved recipe (and job script)   (--dry-run stops here)
+    record()   run directory with the resolved recipe (and job script)   (--dry-run stops here;
+               launch/submission.py)
     executor.launch: local: the driver runs in this process; slurm: sbatch
 
 The executor (launch/executors.py) is chosen once, here.
@@ -16,32 +17,17 @@ real submit would do); a refused submit leaves every file as it was.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from relax_core.checkpoint.layout import find_latest
 from relax_core.checkpoint.owner import check_owner, holds_checkpoints
-from relax_core.config import Recipe, dump_recipe, load_recipe
+from relax_core.config import load_recipe
 from relax_core.config.same_run import check_same_run, describe, stored_recipe
 from relax_core.errors import RecipeError, UserError
-from relax_core.launch.executors import Executor, choose_executor
+from relax_core.launch.executors import choose_executor
 from relax_core.launch.preflight import preflight
+from relax_core.launch.submission import Submission
 from relax_core.rundir import RunDir, in_use_message, lock_holder, new_run_dir
-
-
-@dataclass
-class Submission:
-    recipe: Recipe
-    recipe_path: Path
-    run: RunDir
-    executor: Executor
-    job_script: str | None = None
-    existing: bool = False  # --run-dir names a run that has started before: this submit resumes it
-    changes: list[tuple[str, Any, Any]] = field(default_factory=list)  # the safe changes of a resume
-    resume_step: int | None = None  # the checkpoint a resume starts from
-    hub: dict[str, str] = field(default_factory=dict)  # recipe field -> the folder its hub id was fetched to
 
 
 def prepare(recipe_path: str | Path, overrides: list[str], executor: str | None = None,
@@ -145,18 +131,3 @@ def fetch(sub: Submission, say=None) -> None:
     sub.hub = fetch_hub(sub.recipe, sub.run.path, say)
     if "model.path" in sub.hub:  # its config.json is here now: the memory plan it could not make before
         raise_if(memory_problems(sub.recipe, sub.hub["model.path"]), sub.recipe_path)
-
-
-def record(sub: Submission) -> None:
-    """Create the run directory and write the resolved recipe before anything starts."""
-    sub.run.create()
-    sub.run.recipe.write_text(dump_recipe(sub.recipe))
-    if sub.job_script is not None:
-        from relax_core.launch.slurm import SCRIPT_NAME
-
-        (sub.run.path / SCRIPT_NAME).write_text(sub.job_script)
-    sub.run.run_id()
-    # error/finished: what an earlier attempt of a resumed run ended with
-    sub.run.update_state(name=sub.recipe.name, executor=sub.executor.name, state="pending", error=None, finished=None,
-                         hub=sub.hub, checkpoint_dir=str(sub.run.checkpoint_dir(sub.recipe).absolute()),
-                         total_steps=sub.recipe.train.steps, submitted=time.strftime("%Y-%m-%dT%H:%M:%S"))

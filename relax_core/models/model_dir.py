@@ -7,11 +7,13 @@ engines, the router and the checkpoint's HF copy all load the same tokenizer.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
+from relax_core.config.checks import looks_like_hub_id
 from relax_core.config.schema import HFModel, Recipe, TinyModel
 from relax_core.rundir import RunDir
 
@@ -28,6 +30,25 @@ _prepared: dict[tuple[str, str], Path] = {}  # (run directory, model section) ->
 def trust_remote_code(recipe: Recipe) -> bool:
     """`model.trust_remote_code`: every HF model, config and tokenizer the run loads may run their own code."""
     return isinstance(recipe.model, HFModel) and recipe.model.trust_remote_code
+
+
+def known_config(recipe: Recipe) -> dict | None:
+    """The model's config.json when it is known before the run: a tiny Qwen3's, or a local directory's
+    (what `relax submit` checks the model by, before anything is fetched or built)."""
+    model = recipe.model
+    if isinstance(model, TinyModel):
+        if model.architecture != "qwen3":
+            return None
+        from relax_core.models import tiny
+
+        return tiny.qwen3_config_dict(1, hidden_size=model.hidden_size, num_layers=model.num_layers,
+                                      num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                                      intermediate_size=2 * model.hidden_size,
+                                      max_position_embeddings=512, eos_token_id=0, pad_token_id=0)
+    local = Path(model.path).expanduser()
+    if looks_like_hub_id(model.path) or not (local / "config.json").is_file():
+        return None
+    return json.loads((local / "config.json").read_text())
 
 
 def with_fetched(recipe: Recipe, run: RunDir) -> Recipe:

@@ -63,10 +63,10 @@ class JudgeService:
 
     def _spawn(self, index: int, model: str, log_path: str, threads: int, cpus: list[int] | None, recipe) -> None:
         from relax_core.controller.workers import EngineWorker
+        from relax_core.rollout.engine_command import judge_engines
 
         actor = self._ray.remote(num_cpus=0, resources={JUDGE_RESOURCE: 1})(EngineWorker).remote(
-            index, model, log_path, self.api_key, threads, recipe.train.seed, recipe.rollout.max_concurrency, cpus,
-            recipe.reward.genrm.trust_remote_code)
+            index, judge_engines(recipe, model, threads), log_path, self.api_key, cpus)
         self.actors.append(actor)
         self._ready.append(actor.wait_ready.remote())
 

@@ -1,10 +1,11 @@
 """SGLang engines: the command line of one `sglang.launch_server` and the check of `rollout.engine_args`.
 
 An engine of `rollout.engine: sglang` is SGLang's own HTTP server on the GPUs
-Ray gave its actor (controller/workers.py starts it). Relax sets the flags it
-owns (model, host, port, TP size, seed, request limit, weight version, remote
-code, deterministic inference from `rollout.deterministic`) and appends the
-recipe's `rollout.engine_args`, turned into flags the way SGLang's argparse
+Ray gave its actor (controller/workers.py starts it, with the command line
+rollout/engine_command.py builds from `server_command`). Relax sets the flags
+it owns (model, host, port, TP size, seed, request limit, weight version,
+remote code, deterministic inference from `rollout.deterministic`) and appends
+the recipe's `rollout.engine_args`, turned into flags the way SGLang's argparse
 reads them:
 
     {mem_fraction_static: 0.7}      -> --mem-fraction-static 0.7
@@ -28,10 +29,7 @@ from __future__ import annotations
 import difflib
 import json
 from functools import cache
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from relax_core.config.schema import Recipe
+from typing import Any
 
 LAUNCHER = "relax_core.rollout.sglang_launch"
 INITIAL_WEIGHT_VERSION = "0"  # the model directory's weights; each weight sync sets the step it carries
@@ -89,18 +87,6 @@ def server_command(*, python: str, model_dir: str, host: str, port: int, tp_size
                              f"installed where this engine starts")
         command += _flags(table[key], value)
     return command
-
-
-def recipe_server_command(recipe: Recipe, index: int, *, python: str, model_dir: str, host: str,
-                          port: int) -> list[str]:
-    """The argv of engine `index` of `recipe` (what `EngineWorker` starts from the values the job gives it)."""
-    from relax_core.models.model_dir import trust_remote_code
-
-    ro = recipe.rollout
-    return server_command(python=python, model_dir=model_dir, host=host, port=port, tp_size=ro.gpus_per_engine,
-                          seed=recipe.train.seed + index, max_running_requests=ro.max_concurrency,
-                          weight_version=INITIAL_WEIGHT_VERSION, engine_args=server_args(ro),
-                          trust_remote_code=trust_remote_code(recipe))
 
 
 def server_args(rollout) -> dict[str, Any]:

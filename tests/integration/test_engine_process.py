@@ -26,7 +26,11 @@ from engine_fixtures import tiny_model_dir  # noqa: F401
 
 from relax_core.controller.engine_process import EngineStartError
 from relax_core.controller.workers import EngineWorker
+from relax_core.rollout.engine_command import EngineSettings, engine_command
 from relax_core.rollout.sglang_engine import server_command
+
+SGLANG = EngineSettings("sglang", "/models/qwen", seed=5, max_running_requests=32, tp_size=2,
+                        engine_args={"mem_fraction_static": 0.7})
 
 SCRIPT = textwrap.dedent("""\
     #!{python}
@@ -75,9 +79,7 @@ def fake_python(tmp_path, monkeypatch):
 
     def start(mode: str, index: int = 0) -> EngineWorker:
         monkeypatch.setenv("ENGINE_MODE", mode)
-        worker = EngineWorker(index, "/models/qwen", str(tmp_path / f"engine-{index}.log"), "s3cret", 1, 5, 32,
-                              engine="sglang", engine_args={"mem_fraction_static": 0.7}, tp_size=2,
-                              python=str(script))
+        worker = EngineWorker(index, SGLANG, str(tmp_path / f"engine-{index}.log"), "s3cret", python=str(script))
         started.append(worker)
         return worker
 
@@ -124,6 +126,8 @@ def test_the_engine_gets_sglangs_command_line_and_its_key_only_in_the_environmen
         python="python", model_dir="/models/qwen", host="127.0.0.1", port=started["port"], tp_size=2, seed=5 + 2,
         max_running_requests=32, weight_version="0", engine_args={"mem_fraction_static": 0.7},
         trust_remote_code=False)[1:]
+    assert started["argv"] == engine_command(SGLANG, 2, python=started["argv"][0], host="127.0.0.1",
+                                             port=started["port"])
     assert started["key"] == "s3cret" and not any("s3cret" in arg for arg in started["argv"])
     # SGLang keeps an idle connection 5 s unless told; sglang-router pools its connections 50 to 90 s
     # (rollout/router.py, Keep-alive): the engine must hold them longer.
@@ -188,7 +192,7 @@ def test_a_cpu_engine_keeps_an_idle_connection_open_longer_than_sglangs_default_
     """The router reuses a pooled connection after seconds of idleness; an engine that closed it at 5 s
     (uvicorn's and SGLang's default) fails the request written on it as it closes."""
     monkeypatch.setenv("RELAX_NODE_IP", "127.0.0.1")
-    worker = EngineWorker(0, str(tiny_model_dir), str(tmp_path / "engine.log"), "s3cret", 1, 0, 8)
+    worker = EngineWorker(0, EngineSettings("cpu", str(tiny_model_dir), 0, 8), str(tmp_path / "engine.log"), "s3cret")
     try:
         host, port = worker.wait_ready(timeout_s=120).removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=10)

@@ -51,6 +51,7 @@ from relax_core.config import load_recipe
 from relax_core.controller.engines import EngineSet, EngineSpec
 from relax_core.controller.gpu_slots import GpuSlots
 from relax_core.controller.workers import TrainerWorker
+from relax_core.rollout.engine_command import EngineSettings
 
 recipe = load_recipe(sys.argv[1], json.loads(sys.argv[2]))
 single_machine(); without_dashboard_process(); without_monitors()
@@ -63,7 +64,8 @@ world = recipe.train_ranks
 trainers = [trainer.options(**slots.trainer_options(r)).remote(r, world) for r in range(world)]
 trainer_gpus = ray.get([t.__ray_call__.remote(lambda self: os.environ["CUDA_VISIBLE_DEVICES"]) for t in trainers])
 ro = recipe.rollout
-spec = EngineSpec("model", os.environ["RECORD_DIR"], "key", 1, 0, 8, ro.gpus_per_engine, engine=ro.engine)
+spec = EngineSpec(EngineSettings(ro.engine, "model", 0, 8, tp_size=max(ro.gpus_per_engine, 1)),
+                  os.environ["RECORD_DIR"], "key")
 engines = EngineSet(ray, spec, bucket_bytes=1 << 20, slots=slots)
 urls = ray.get(engines.launch(ro.num_engines), timeout=120)
 free_gpus = ray.available_resources().get("GPU", 0)

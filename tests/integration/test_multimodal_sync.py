@@ -106,14 +106,12 @@ def test_the_runs_video_settings_reach_the_engines_command_line(tmp_path):
     import yaml
 
     from relax_core.config import load_recipe
-    from relax_core.controller.workers import cpu_engine_command
-    from relax_core.rollout.settings import engine_video
+    from relax_core.rollout.engine_command import engine_command, rollout_engines
 
     recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "quickstart_vlm.yaml").read_text())
     recipe["data"] = {"source": "file", "path": str(tmp_path / "d.jsonl"), "video_key": "clip", "video_fps": 8.0,
                       "video_max_frames": 64}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    argv = cpu_engine_command(python="python", model_dir="m", host="h", port=1, fd=3, threads=1, seed=0,
-                              max_running_requests=8, trust_remote_code=False,
-                              video=engine_video(load_recipe(tmp_path / "r.yaml", [])))
+    settings = rollout_engines(load_recipe(tmp_path / "r.yaml", []), "m", threads=1)
+    argv = engine_command(settings, 0, python="python", host="h", port=1, fd=3)
     assert argv[-3:] == ["--video-fps=8.0", "--video-min-frames=4", "--video-max-frames=64"]
