@@ -22,9 +22,10 @@ from typing import Any
 
 from relax_core.cluster.actors import end_actors
 from relax_core.cluster.placement import threads_per_process
+from relax_core.config.data import FileData
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
-from relax_core.config.schema import FileData, Recipe, rollout_group_name
+from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.workers import TrainerWorker
 from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched

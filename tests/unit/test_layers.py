@@ -36,8 +36,6 @@ LAYERS = [
 STILL_UPWARD = {
     ("config/algorithms.py", "relax_core.algorithms"),
     ("config/algorithms.py", "relax_core.algorithms.specs"),
-    ("config/schema.py", "relax_core.metrics.notify"),
-    ("config/schema.py", "relax_core.rewards.genrm"),
     ("controller/api.py", "relax_core.launch.control"),
     ("controller/job.py", "relax_core.launch.same_run"),
     ("controller/job.py", "relax_core.launch.scale_jobs"),
