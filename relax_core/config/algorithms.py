@@ -1,7 +1,7 @@
 """The recipe's `algorithm:` section: each algorithm's parameters, typed, bounded and documented.
 
 Which algorithms exist and what they are made of is declared once, in their
-specs (relax_core/algorithms/specs.py). Each spec names the class here that
+specs (relax_core/config/algorithm_specs.py). Each spec names the class here that
 holds its parameters (`AlgorithmSpec.config`) and `config_class` binds that
 class to the spec's name; an algorithm without parameters of its own uses
 `AlgorithmCommon` (aggregation, KL, off-policy correction) or `ClipConfig`
@@ -32,7 +32,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 if TYPE_CHECKING:
-    from relax_core.algorithms.specs import AlgorithmSpec
+    from relax_core.config.algorithm_specs import AlgorithmSpec
 
 DEFAULT_ALGORITHM = "grpo"
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -40,7 +40,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 def _specs():
     """The spec table, imported on use: it imports the classes of this module (the specs name them)."""
-    from relax_core.algorithms import specs
+    from relax_core.config import algorithm_specs as specs
 
     return specs
 

@@ -34,8 +34,6 @@ LAYERS = [
     ("recipes", "catalog", "doctor"),
 ]
 STILL_UPWARD = {
-    ("config/algorithms.py", "relax_core.algorithms"),
-    ("config/algorithms.py", "relax_core.algorithms.specs"),
     ("controller/api.py", "relax_core.launch.control"),
     ("controller/job.py", "relax_core.launch.same_run"),
     ("controller/job.py", "relax_core.launch.scale_jobs"),
