@@ -61,4 +61,3 @@ ModelConfig = Annotated[
     Annotated[HFModel, Tag("hf")] | Annotated[TinyModel, Tag("tiny")],
     tagged("source", "hf"),
 ]
-

@@ -13,11 +13,11 @@ from pydantic import BaseModel, ConfigDict, Discriminator
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
+
 class Section(BaseModel):
     """Base of every recipe section: unknown keys are errors, docstrings describe fields."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
-
 
 
 def tagged(field: str, default: str):
