@@ -1,7 +1,7 @@
 """What a recipe can name: algorithms and rewards, with descriptions and parameters.
 
 Read by `relax list`. Algorithms come from their specs
-(relax_core/algorithms/specs.py: description, building blocks) and the config
+(relax_core/config/algorithm_specs.py: description, building blocks) and the config
 class each spec names (parameters and defaults), so a registered algorithm is
 listed exactly as a recipe accepts it; rewards from the reward registry.
 Imports no torch.
@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from relax_core.algorithms import specs
+from relax_core.config import algorithm_specs as specs
 from relax_core.config.algorithms import config_class
 
 

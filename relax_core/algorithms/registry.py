@@ -9,7 +9,7 @@ definition (as verl does):
     @register_kl("k3", aliases=("low_var_kl",))  # kl.py
     @register_loss_agg("token-mean")             # aggregation.py
 
-An algorithm's spec (specs.py) names the pieces it is made of; the trainer
+An algorithm's spec (config/algorithm_specs.py) names the pieces it is made of; the trainer
 resolves those names here. The built-in implementations live in the torch
 modules of `_HOMES`, which are imported the first time a name of their kind
 is resolved, so importing this module (as recipe validation and `relax list

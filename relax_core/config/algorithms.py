@@ -1,7 +1,7 @@
 """The recipe's `algorithm:` section: each algorithm's parameters, typed, bounded and documented.
 
 Which algorithms exist and what they are made of is declared once, in their
-specs (relax_core/algorithms/specs.py). Each spec names the class here that
+specs (relax_core/config/algorithm_specs.py). Each spec names the class here that
 holds its parameters (`AlgorithmSpec.config`) and `config_class` binds that
 class to the spec's name; an algorithm without parameters of its own uses
 `AlgorithmCommon` (aggregation, KL, off-policy correction) or `ClipConfig`
@@ -20,8 +20,6 @@ import functools
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     PlainValidator,
     SerializeAsAny,
@@ -31,8 +29,10 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from relax_core.config.section import Dtype, Section
+
 if TYPE_CHECKING:
-    from relax_core.algorithms.specs import AlgorithmSpec
+    from relax_core.config.algorithm_specs import AlgorithmSpec
 
 DEFAULT_ALGORITHM = "grpo"
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -40,18 +40,12 @@ LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 def _specs():
     """The spec table, imported on use: it imports the classes of this module (the specs name them)."""
-    from relax_core.algorithms import specs
+    from relax_core.config import algorithm_specs as specs
 
     return specs
 
 
-class AlgoSection(BaseModel):
-    """Base of the algorithm sections, same rules as schema.Section (kept here so schema can import us)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
-
-
-class KLConfig(AlgoSection):
+class KLConfig(Section):
     """KL divergence to the frozen reference model."""
 
     coef: float = Field(0.0, ge=0.0)
@@ -62,7 +56,7 @@ class KLConfig(AlgoSection):
     """`loss`: add `coef * agg(k)` to the policy loss; `reward`: subtract `coef * k_t` from the token rewards."""
 
 
-class CriticConfig(AlgoSection):
+class CriticConfig(Section):
     """The value model PPO trains next to the policy (the policy's architecture with a value head)."""
 
     lr: float = Field(1e-5, gt=0.0)
@@ -75,16 +69,16 @@ class CriticConfig(AlgoSection):
     """Model to initialise the critic's body from; the policy's initial weights if unset."""
 
 
-class TeacherConfig(AlgoSection):
+class TeacherConfig(Section):
     """The teacher model on-policy distillation scores the student's tokens with."""
 
     path: str = Field(min_length=1)
     """Hub id or local directory of the teacher (same tokenizer as the student)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Dtype = "bfloat16"
     """Teacher parameter dtype."""
 
 
-class DynamicSamplingConfig(AlgoSection):
+class DynamicSamplingConfig(Section):
     """DAPO's dynamic sampling: drop groups whose rewards are all equal, generate more until the batch is full."""
 
     enabled: bool = True
@@ -93,7 +87,7 @@ class DynamicSamplingConfig(AlgoSection):
     """At most this many generation rounds per step; the step then trains on what it has."""
 
 
-class OverlongConfig(AlgoSection):
+class OverlongConfig(Section):
     """DAPO's soft overlong penalty; the budget L_max is `rollout.max_new_tokens`."""
 
     enabled: bool = True
@@ -118,7 +112,7 @@ def _spec_loss_agg(data: dict[str, Any]) -> str:
     return _specs().get_spec(name).loss_agg if name in _specs().algorithm_names() else "token-mean"
 
 
-class AlgorithmCommon(AlgoSection):
+class AlgorithmCommon(Section):
     """What every algorithm has: aggregation, KL, off-policy correction."""
 
     name: str
@@ -193,7 +187,7 @@ class AlgorithmCommon(AlgoSection):
         return self
 
 
-class ClipMixin(AlgoSection):
+class ClipMixin(Section):
     """The PPO clipped surrogate's parameters."""
 
     eps_low: float = Field(0.2, gt=0.0, lt=1.0)

@@ -11,7 +11,9 @@ import json
 import re
 from pathlib import Path
 
-from relax_core.config.schema import FileData, HFModel, Recipe
+from relax_core.config.data import FileData
+from relax_core.config.model import HFModel
+from relax_core.config.schema import Recipe
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

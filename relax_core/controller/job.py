@@ -24,9 +24,10 @@ from typing import Any
 
 from relax_core.cluster.actors import end_actors
 from relax_core.cluster.placement import engines_share_train_gpus, handover_sources, threads_per_process
+from relax_core.config.data import FileData
 from relax_core.config.engines import engine_kind
 from relax_core.config.modes import mode_spec
-from relax_core.config.schema import FileData, Recipe, rollout_group_name
+from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.controller.progress import Progress
 from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.scale_out import LocalScaleOut, ScaleOut

@@ -28,7 +28,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from relax_core.config.schema import FileData, SyntheticData
+from relax_core.config.data import FileData, SyntheticData
 from relax_core.data.media import KINDS, MediaBounds, MediaError, check_value, read_value
 from relax_core.data.synthetic import SyntheticTask
 from relax_core.errors import UserError

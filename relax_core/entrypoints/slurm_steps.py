@@ -36,7 +36,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relax_core.config.schema import NodeGroup, Recipe
+from relax_core.config.cluster import NodeGroup
+from relax_core.config.schema import Recipe
 from relax_core.rundir import RunDir
 
 # Variables sbatch sets for the job's resources that srun would read as options of every step, and the job's

@@ -58,7 +58,8 @@ from typing import TYPE_CHECKING
 from relax_core.errors import RecipeError
 
 if TYPE_CHECKING:
-    from relax_core.config.schema import ContainerConfig, Recipe
+    from relax_core.config.cluster import ContainerConfig
+    from relax_core.config.schema import Recipe
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id
-from relax_core.config.schema import FileData, HFModel
+from relax_core.config.data import FileData
+from relax_core.config.model import HFModel
 from relax_core.errors import RecipeError
 
 HUB_CACHE_NAME = "hub-cache"

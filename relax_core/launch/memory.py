@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_core.config.engines import engine_kind
-from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
+from relax_core.config.model import HFModel, TinyModel
+from relax_core.config.schema import Recipe, rollout_group_name
 
 GIB = 1024**3
 RUNTIME_GIB = 3.0  # CUDA context, NCCL buffers, allocator slack; in colocate, what a sleeping engine keeps

@@ -44,8 +44,9 @@ from relax_core.cluster.placement import (
     threads_per_process,
     trainer_gpu,
 )
+from relax_core.config.model import HFModel, TinyModel
 from relax_core.config.modes import advantage_service, mode_spec, reference_service
-from relax_core.config.schema import HFModel, Recipe, TinyModel, rollout_group_name
+from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.launch.executors import Executor, executor_named
 
 _PLACEHOLDER = re.compile(r"'(<[\w-]+>[\w./-]*)'")  # shlex quotes `<port>`; the plan shows it bare

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id, reference_problems
+from relax_core.config.data import FileData, SyntheticData
 from relax_core.config.engines import engine_kind
-from relax_core.config.schema import FileData, HFModel, Recipe, SyntheticData, TinyModel
+from relax_core.config.model import HFModel, TinyModel
+from relax_core.config.schema import Recipe
 from relax_core.data.prompts import MEDIA_TASKS
 from relax_core.errors import RecipeError, UserError
 from relax_core.launch.memory import memory_problems

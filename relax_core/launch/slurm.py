@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relax_core.config.schema import NodeGroup, Recipe
+from relax_core.config.cluster import NodeGroup
+from relax_core.config.schema import Recipe
 from relax_core.errors import RecipeError
 from relax_core.launch.executors import Executor, Launched
 from relax_core.rundir import JOB_SCRIPT_FILE, RunDir

@@ -28,13 +28,6 @@ log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 15.0  # at the end of a run, the last messages get this long to go out
 
 
-def unusable(urls: list[str]) -> list[str]:
-    """The URLs Apprise cannot use (an unknown scheme, a malformed address)."""
-    import apprise
-
-    return [url for url in urls if not apprise.Apprise().add(url)]
-
-
 class Notifier:
     """Sends a run's events to `urls` (none: it does nothing and imports nothing)."""
 

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 from relax_core.config.checks import looks_like_hub_id
-from relax_core.config.schema import HFModel, Recipe, TinyModel
+from relax_core.config.model import HFModel, TinyModel
+from relax_core.config.schema import Recipe
 from relax_core.rundir import RunDir
 
 # Files of a model directory that belong to its tokenizer; `model.tokenizer` replaces all of them.

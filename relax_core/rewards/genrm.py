@@ -28,12 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_core.config.reward import DEFAULT_TEMPLATE
 from relax_core.rewards.registry import reward
 
-DEFAULT_TEMPLATE = (
-    "You are grading an answer.\nQuestion: {question}\nReference answer: {label}\n"
-    "Answer to grade: {response}\nGive a score from 0 to 10 as 'Score: N'.\nScore:"
-)
 _NUM = r"(-?\d+(?:\.\d+)?)"
 _SCORE = re.compile(rf"(?i)score\s*[:=]?\s*{_NUM}(?:\s*(?:/|out\s+of)\s*{_NUM})?")
 _OUT_OF = re.compile(rf"(?i){_NUM}\s*(?:/|out\s+of)\s*{_NUM}")

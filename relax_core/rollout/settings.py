@@ -53,7 +53,7 @@ def sampling_config(recipe: Recipe):
 def agentic(recipe: Recipe, tokenizer):
     """What runs multi-turn trajectories for the rollout manager (`rollout.env` or `rollout.agent`); None
     without either."""
-    from relax_core.config.schema import FileData
+    from relax_core.config.data import FileData
 
     ro = recipe.rollout
     if not ro.agentic:

@@ -15,9 +15,12 @@ builds them (0.5.x: `ServerArgs` assembles the namespace classes listed in
     list     several values after the flag (nargs)
     value    one value after the flag
 
-`python -m relax_core.rollout.sglang_source --write` regenerates
-`sglang_server_args.py`, the list kept for the pinned SGLang, from the
-installed copy (install it with `pip install --no-deps sglang==<version>`).
+`python -m relax_core.rollout.sglang_source --write` regenerates the list
+kept for the pinned SGLang from the installed copy (install it with
+`pip install --no-deps sglang==<version>`), in two modules split by kind:
+`sglang_server_switches.py` the on/off switches (flag, flag_on, bool: no value
+follows the flag), `sglang_server_args.py` the arguments that take values and
+`SERVER_ARGS`, both joined.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import sys
 from pathlib import Path
 
 PINNED_MODULE = Path(__file__).with_name("sglang_server_args.py")
+SWITCHES_MODULE = "sglang_server_switches.py"  # written beside PINNED_MODULE
+SWITCH_KINDS = ("flag", "flag_on", "bool")
 
 
 def package_dir() -> Path | None:
@@ -194,37 +199,59 @@ def _constant(node: ast.expr | None):
     return node.value if isinstance(node, ast.Constant) else None
 
 
-def render(version: str, table: dict[str, tuple[str, str]]) -> str:
-    """The text of `sglang_server_args.py` for SGLang `version`."""
-    rows = "".join(f"    {json.dumps(name)}: ({json.dumps(flag)}, {json.dumps(kind)}),\n"
-                   for name, (flag, kind) in table.items())
+def render(version: str, table: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """The text of each pinned module for SGLang `version`, by file name: the switches, then the rest."""
+    switches = {name: arg for name, arg in table.items() if arg[1] in SWITCH_KINDS}
+    values = {name: arg for name, arg in table.items() if arg[1] not in SWITCH_KINDS}
+    return {
+        SWITCHES_MODULE: _header(f"SGLang {version}'s on/off server arguments, `name: (flag, kind)` (kinds flag, "
+                                 "flag_on and bool:\nno value follows the flag; see sglang_source.py).")
+        + _rows("SWITCHES", switches),
+        PINNED_MODULE.name: _header(f"SGLang {version}'s server arguments, `name: (flag, kind)` (kinds: see "
+                                    f"sglang_source.py): those that take values,\nthe on/off switches in "
+                                    f"{SWITCHES_MODULE}, and `SERVER_ARGS`, all of them.")
+        + "from relax_core.rollout.sglang_server_switches import SWITCHES\n\n"
+        + f"SGLANG_VERSION = {json.dumps(version)}\n\n" + _rows("VALUES", values)
+        + "\nSERVER_ARGS: dict[str, tuple[str, str]] = dict(sorted({**VALUES, **SWITCHES}.items()))\n",
+    }
+
+
+def _header(summary: str) -> str:
     return (
         "# ruff: noqa: E501  (generated: one argument a line, however long its flag)\n"
-        f'"""SGLang {version}\'s server arguments, `name: (flag, kind)` (kinds: see sglang_source.py).\n\n'
+        f'"""{summary}\n\n'
         "Generated, do not edit: `pip install --no-deps sglang==<version>`, then\n"
         "`python -m relax_core.rollout.sglang_source --write` reads the installed SGLang's source\n"
         "(without importing it). Used to check `rollout.engine_args` where SGLang is not installed;\n"
         'a test keeps it equal to what the reader finds in the installed SGLang.\n"""\n\n'
-        f"SGLANG_VERSION = {json.dumps(version)}\n\n"
-        f"SERVER_ARGS: dict[str, tuple[str, str]] = {{\n{rows}}}\n"
     )
+
+
+def _rows(name: str, table: dict[str, tuple[str, str]]) -> str:
+    rows = "".join(f"    {json.dumps(arg)}: ({json.dumps(flag)}, {json.dumps(kind)}),\n"
+                   for arg, (flag, kind) in table.items())
+    return f"{name}: dict[str, tuple[str, str]] = {{\n{rows}}}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relax_core.rollout.sglang_source", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help=f"write {PINNED_MODULE.name} (default: print it)")
+    parser.add_argument("--write", action="store_true",
+                        help=f"write {SWITCHES_MODULE} and {PINNED_MODULE.name} (default: print them)")
     args = parser.parse_args(argv)
     found = installed()
     if found is None:
         print("sglang is not installed: pip install --no-deps sglang==<version>", file=sys.stderr)
         return 2
-    text = render(*found)
+    texts = render(*found)
+    for name, text in texts.items():
+        if args.write:
+            PINNED_MODULE.with_name(name).write_text(text)
+            print(f"wrote {PINNED_MODULE.with_name(name)}")
+        else:
+            print(f"# ---- {name}\n{text}", end="")
     if args.write:
-        PINNED_MODULE.write_text(text)
-        print(f"wrote {PINNED_MODULE} (SGLang {found[0]}, {len(found[1])} arguments)")
-    else:
-        print(text, end="")
+        print(f"SGLang {found[0]}: {len(found[1])} arguments")
     return 0
 
 

@@ -70,7 +70,7 @@ class RolloutService:
         import torch
 
         from relax_core.cluster.actors import pin_process
-        from relax_core.config.schema import FileData
+        from relax_core.config.data import FileData
         from relax_core.data.prompts import build_prompt_source
         from relax_core.models.model_dir import trust_remote_code
         from relax_core.models.tokenizer import load_tokenizer

@@ -33,7 +33,7 @@ class TorchTrainerConfig:
             1 (with `num_epochs` 1) = one update, where the ratio pi/pi_old is 1
             and no clip acts.
         num_epochs: passes over the step's samples (`train.ppo_epochs`).
-        algorithm: the recipe's `algorithm.name`; its spec (algorithms/specs.py)
+        algorithm: the recipe's `algorithm.name`; its spec (config/algorithm_specs.py)
             says which estimator, policy loss and token selection to use.
         estimator_kwargs: the estimator's keyword arguments (`AlgorithmConfig.estimator_kwargs()`);
             a `kl_coef` > 0 puts the KL to the reference into the token rewards.

@@ -30,7 +30,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from relax_core.config.schema import FileData
+from relax_core.config.data import FileData
 from relax_core.data.prompts import RowSource, load_rows
 
 REPO = Path(__file__).resolve().parents[2]

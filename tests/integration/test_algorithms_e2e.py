@@ -17,7 +17,7 @@ import torch
 from gloo_exit import leave_group
 from test_learning import ALPHABET, LENGTH, PROMPTS, rollout
 
-from relax_core.algorithms.specs import algorithm_names
+from relax_core.config.algorithm_specs import algorithm_names
 from relax_core.config.loader import load_recipe
 from relax_core.controller.sampling_rounds import collect_batch
 from relax_core.data.synthetic import SyntheticTask

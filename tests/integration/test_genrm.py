@@ -12,7 +12,8 @@ import httpx
 import pytest
 from engine_fixtures import ENGINE_API_KEY
 
-from relax_core.rewards.genrm import DEFAULT_TEMPLATE, Judge, parse_score, register_judge
+from relax_core.config.reward import DEFAULT_TEMPLATE
+from relax_core.rewards.genrm import Judge, parse_score, register_judge
 from relax_core.rewards.hub import RewardHub, RewardItem
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from engine_fixtures import EngineServer
 
-from relax_core.config.schema import SyntheticData
+from relax_core.config.data import SyntheticData
 from relax_core.data.media import MediaBounds
 from relax_core.data.prompts import build_prompt_source
 from relax_core.models.tiny import materialize_tiny_model

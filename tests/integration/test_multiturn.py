@@ -23,7 +23,7 @@ import pytest
 import torch
 from engine_fixtures import EngineServer
 
-from relax_core.config.schema import EnvConfig
+from relax_core.config.rollout import EnvConfig
 from relax_core.models.tiny import materialize_tiny_model
 from relax_core.models.tokenizer import load_tokenizer
 from relax_core.rollout.chat_turns import ChatTurns
@@ -229,7 +229,7 @@ def gone(pid: int, within_s: float = 10.0) -> bool:
 
 
 def test_agent_programs_calls_are_recorded_with_masks_and_a_hung_one_is_killed(setup):
-    from relax_core.config.schema import AgentConfig
+    from relax_core.config.rollout import AgentConfig
     from relax_core.rollout.agent_app import AgentPrograms
 
     tmp, model_dir, engine = setup

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from engine_fixtures import ENGINE_API_KEY
 
+from relax_core.config.data import FileData
 from relax_core.config.loader import load_recipe
-from relax_core.config.schema import FileData
 from relax_core.data.prompts import build_prompt_source
 from relax_core.rewards.failures import RewardFailureError
 from relax_core.rewards.hub import RewardHub, RewardItem

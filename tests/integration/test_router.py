@@ -261,7 +261,7 @@ def test_every_turn_of_a_multi_turn_trajectory_goes_to_its_prompts_engine(
     its trajectories on one engine, whose prefix cache then holds their growing context."""
     from test_multiturn import ENV
 
-    from relax_core.config.schema import EnvConfig
+    from relax_core.config.rollout import EnvConfig
     from relax_core.models.tokenizer import load_tokenizer
     from relax_core.rollout.chat_turns import ChatTurns
     from relax_core.rollout.manager import RolloutManager, SamplingConfig

@@ -18,10 +18,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from relax_core.algorithms import registry, specs
+from relax_core.algorithms import registry
 from relax_core.algorithms.estimators import AdvantageBatch, AdvantageResult
 from relax_core.algorithms.registry import register_estimator
-from relax_core.algorithms.specs import AlgorithmSpec, register_algorithm
+from relax_core.config import algorithm_specs as specs
+from relax_core.config.algorithm_specs import AlgorithmSpec, register_algorithm
 from relax_core.config.loader import load_recipe
 from relax_core.errors import RecipeError
 from relax_core.rollout.types import Sample

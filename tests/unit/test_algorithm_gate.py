@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from relax_core.algorithms.specs import algorithm_names
+from relax_core.config.algorithm_specs import algorithm_names
 from relax_core.config.loader import load_recipe
 from relax_core.errors import RecipeError
 from relax_core.launch.executors import executor_named

@@ -239,7 +239,7 @@ def test_a_name_cannot_be_registered_twice():
 
 def test_registry_imports_the_implementations_only_on_resolve():
     code = (
-        "import sys, relax_core.algorithms.registry as r, relax_core.algorithms.specs as s; s.get_spec('grpo'); "
+        "import sys, relax_core.algorithms.registry as r, relax_core.config.algorithm_specs as s; s.get_spec('grpo'); "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "r.get_estimator('grpo'); assert 'torch' in sys.modules"
     )

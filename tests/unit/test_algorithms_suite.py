@@ -22,8 +22,8 @@ from relax_core.algorithms.aggregation import seq_mean_token_mean, token_mean
 from relax_core.algorithms.dapo import dynamic_sampling_keep, overlong_penalty
 from relax_core.algorithms.estimators import AdvantageBatch, gae, grpo, opd, reinforce_pp, reinforce_pp_baseline, rloo
 from relax_core.algorithms.policy_losses import cispo, gspo, m2_keep_mask, ppo_clip, sapo, value_loss
-from relax_core.algorithms.specs import AlgorithmSpec, algorithm_names, get_spec, spec_problems
 from relax_core.catalog import algorithm_entries
+from relax_core.config.algorithm_specs import AlgorithmSpec, algorithm_names, get_spec, spec_problems
 from relax_core.config.algorithms import AlgorithmConfig, KLConfig, LossAgg, algorithm_problems, config_class
 
 NAN, INF = float("nan"), float("inf")
@@ -403,7 +403,7 @@ def test_defaults_follow_the_papers():
 def test_recipe_level_checks_mode_group_size_and_overlong_window(monkeypatch):
     import dataclasses
 
-    from relax_core.algorithms import specs
+    from relax_core.config import algorithm_specs as specs
 
     ppo = ALGO.validate_python({"name": "ppo", "critic": {}})
     for mode in ("colocate", "hybrid", "fully_async"):  # in every mode the critic trains in the trainer ranks
@@ -449,7 +449,7 @@ def test_fully_async_computes_outcome_only_advantages_on_the_rollout_side(name):
 
 def test_specs_configs_and_listing_import_without_torch():
     code = (
-        "import sys, relax_core.config, relax_core.algorithms.specs, relax_core.algorithms.dapo, "
+        "import sys, relax_core.config, relax_core.config.algorithm_specs, relax_core.algorithms.dapo, "
         "relax_core.catalog as c; c.algorithm_entries(); assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from relax_core.config.schema import ContainerConfig
+from relax_core.config.cluster import ContainerConfig
 from relax_core.errors import RecipeError
 from relax_core.launch.container import apptainer_command, check_container, container_prefix, in_container
 

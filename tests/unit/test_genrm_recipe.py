@@ -25,8 +25,8 @@ from relax_core.cluster.node import JUDGE_RESOURCE, ROLLOUT_RESOURCE, node_resou
 from relax_core.cluster.placement import local_slots
 from relax_core.config import RecipeError, load_recipe
 from relax_core.config.checks import reference_problems
+from relax_core.config.reward import DEFAULT_TEMPLATE
 from relax_core.models import tiny
-from relax_core.rewards.genrm import DEFAULT_TEMPLATE
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())

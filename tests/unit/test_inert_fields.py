@@ -21,7 +21,7 @@ from model_dirs import ALPHABET, OTHER_TEMPLATE, custom_code_model, other_tokeni
 from relax_runs import relax
 
 from relax_core.config import load_recipe
-from relax_core.config.schema import TinyModel
+from relax_core.config.model import TinyModel
 from relax_core.models import tiny
 
 REPO = Path(__file__).resolve().parents[2]

@@ -34,10 +34,6 @@ LAYERS = [
     ("recipes", "catalog", "doctor"),
 ]
 STILL_UPWARD = {
-    ("config/algorithms.py", "relax_core.algorithms"),
-    ("config/algorithms.py", "relax_core.algorithms.specs"),
-    ("config/schema.py", "relax_core.metrics.notify"),
-    ("config/schema.py", "relax_core.rewards.genrm"),
     ("data/bus.py", "relax_core.rollout.types"),
     ("entrypoints/slurm_job.py", "relax_core.launch.hub"),
     ("entrypoints/slurm_job.py", "relax_core.launch.scale_jobs"),

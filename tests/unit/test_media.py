@@ -21,7 +21,7 @@ import soundfile
 import yaml
 from PIL import Image
 
-from relax_core.config.schema import FileData
+from relax_core.config.data import FileData
 from relax_core.data import media
 from relax_core.data.media import MediaBounds, MediaError, RowMedia, decode_audio, decode_image, decode_video
 from relax_core.data.prompts import build_prompt_source, media_problems

@@ -18,7 +18,7 @@ import pytest
 import torch
 from sim_device import DEVICE, DeviceMismatch, SimDevice
 
-from relax_core.algorithms.specs import algorithm_names
+from relax_core.config.algorithm_specs import algorithm_names
 from relax_core.config.loader import load_recipe
 from relax_core.rollout.types import Sample
 from relax_core.train.settings import trainer_config

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from relax_core.config.schema import FileData
+from relax_core.config.data import FileData
 from relax_core.data.prompts import RowSource, build_prompt_source
 from relax_core.errors import UserError
 from relax_core.rewards.hub import check_routes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from relax_core.config.schema import RewardConfig
+from relax_core.config.reward import RewardConfig
 from relax_core.metrics.tracker import progress_line
 from relax_core.rewards.failures import FailureWindow, RewardFailureError
 from relax_core.rewards.hub import RewardResult

@@ -8,7 +8,9 @@ import yaml
 from relax_core.assets import asset_dir
 from relax_core.config import RecipeError, dump_recipe, load_recipe
 from relax_core.config.loader import parse_value
-from relax_core.config.schema import MegatronTrainConfig, Recipe, TinyModel, TorchTrainConfig
+from relax_core.config.model import TinyModel
+from relax_core.config.schema import Recipe
+from relax_core.config.train import MegatronTrainConfig, TorchTrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted(p for p in (REPO / "recipes").rglob("*") if p.suffix in (".yaml", ".yml"))

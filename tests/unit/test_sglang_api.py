@@ -338,7 +338,7 @@ def test_a_multimodal_rollout_request_holds_sglangs_fields_and_encodings(recorde
     import numpy as np
     from PIL import Image
 
-    from relax_core.config.schema import SyntheticData
+    from relax_core.config.data import SyntheticData
     from relax_core.data.media import MediaBounds
     from relax_core.data.prompts import build_prompt_source
     from relax_core.models import multimodal
@@ -375,7 +375,7 @@ def test_a_multimodal_rollout_request_holds_sglangs_fields_and_encodings(recorde
 
 
 def test_a_row_whose_media_fail_at_run_time_is_skipped_and_counted(recorder, tmp_path, caplog):
-    from relax_core.config.schema import SyntheticData
+    from relax_core.config.data import SyntheticData
     from relax_core.data.media import MediaBounds
     from relax_core.data.prompts import build_prompt_source
     from relax_core.rollout.prompt_prep import MediaPrompts

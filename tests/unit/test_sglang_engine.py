@@ -114,7 +114,8 @@ def test_the_pinned_list_is_what_the_reader_finds_in_the_installed_sglang():
     version, table = found
     assert version == SGLANG_VERSION, f"regenerate: python -m relax_core.rollout.sglang_source --write ({version})"
     assert table == SERVER_ARGS
-    assert sglang_source.render(version, table) == (REPO / "relax_core/rollout/sglang_server_args.py").read_text()
+    for name, text in sglang_source.render(version, table).items():
+        assert text == (REPO / "relax_core/rollout" / name).read_text(), name
     assert set(RESERVED) <= set(SERVER_ARGS)  # every flag Relax sets is one SGLang has
     assert len(SERVER_ARGS) > 400  # the whole argument set, not one namespace of it
 
@@ -133,8 +134,8 @@ def test_the_reader_never_imports_sglang_whose_gpu_dependencies_are_missing_here
 def test_the_regeneration_tool_writes_the_pinned_module(tmp_path, monkeypatch):
     monkeypatch.setattr(sglang_source, "PINNED_MODULE", tmp_path / "sglang_server_args.py")
     assert sglang_source.main(["--write"]) == 0
-    assert (tmp_path / "sglang_server_args.py").read_text() == \
-        (REPO / "relax_core/rollout/sglang_server_args.py").read_text()
+    for name in ("sglang_server_args.py", "sglang_server_switches.py"):
+        assert (tmp_path / name).read_text() == (REPO / "relax_core/rollout" / name).read_text(), name
 
 
 def fake_sglang(root: Path, fields: str) -> Path:

@@ -4,14 +4,16 @@ The recipe names an algorithm; everything else reads its spec instead of
 keeping its own list: the recipe schema (the class that validates the
 `algorithm:` section, the modes and group sizes it accepts), the trainer
 (which estimator, loss, token selection and aggregation to resolve in
-registry.py, which log-probs to compute before the update, which models to
-build), the `fully_async` advantage stage (whether the rollout side can
-compute the advantages) and `relax list algorithms`.
+algorithms/registry.py, which log-probs to compute before the update, which
+models to build), the `fully_async` advantage stage (whether the rollout side
+can compute the advantages) and `relax list algorithms`. It sits in config,
+beside the specs of the modes and engine kinds, because the schema reads it;
+the implementations it names sit a layer up, in `relax_core.algorithms`.
 
 Adding an algorithm takes its function(s), registered with a decorator where
-they are defined (registry.py), and one `register_algorithm(AlgorithmSpec(...))`
-(plus a config class if it has parameters of its own). The names in a spec
-are resolved only when the trainer starts, so this module imports no torch:
+they are defined (algorithms/registry.py), and one `register_algorithm(AlgorithmSpec(...))`
+(plus a config class in config/algorithms.py if it has parameters of its own). The names
+in a spec are resolved only when the trainer starts, so this module imports no torch:
 recipe validation and `relax list algorithms` stay light.
 """
 
