@@ -12,7 +12,9 @@ the implementations it names sit a layer up, in `relax_core.algorithms`.
 
 Adding an algorithm takes its function(s), registered with a decorator where
 they are defined (algorithms/registry.py), and one `register_algorithm(AlgorithmSpec(...))`
-(plus a config class in config/algorithms.py if it has parameters of its own). The names
+(plus a config class in config/algorithms.py if it has parameters of its own). The
+built-in algorithms' specs are at the end of config/algorithms.py, beside the classes
+they name; this module is the registry they go into, and imports none of them. The names
 in a spec are resolved only when the trainer starts, so this module imports no torch:
 recipe validation and `relax list algorithms` stay light.
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relax_core.config import algorithms as cfg
 from relax_core.config.modes import MODE_NAMES
 
 ALL_MODES = MODE_NAMES
@@ -37,8 +38,8 @@ class AlgorithmSpec:
         policy_loss: name of a `@register_loss` function.
         loss_agg: default loss aggregation (`@register_loss_agg`); the recipe may override it.
         description: one line for `relax list algorithms`.
-        config: the class of its recipe section's parameters (config/algorithms.py;
-            bound to `name` by `config_class`): the common ones only by default.
+        config: the class of its recipe section's parameters, a subclass of config/algorithms.py's
+            `AlgorithmCommon` (bound to `name` by `config_class`); None: the common ones only.
         token_selection: name of a `@register_token_selection` function run once over
             the whole step before the update (M2PO); the loss is aggregated over the
             tokens it keeps. It reads `logp_old` and the engine's log-probs.
@@ -60,7 +61,7 @@ class AlgorithmSpec:
     policy_loss: str
     loss_agg: str
     description: str
-    config: type[cfg.AlgorithmCommon] = cfg.AlgorithmCommon
+    config: type | None = None
     token_selection: str | None = None
     needs_logp_old: bool = False
     outcome_only: bool = False
@@ -71,8 +72,6 @@ class AlgorithmSpec:
     modes: tuple[str, ...] = ALL_MODES
 
     def __post_init__(self) -> None:
-        if not issubclass(self.config, cfg.AlgorithmCommon):
-            raise TypeError(f"algorithm {self.name}: config must subclass AlgorithmCommon, got {self.config}")
         if self.outcome_only and (self.token_selection or self.needs_logp_old or self.needs_critic):
             raise ValueError(f"algorithm {self.name}: outcome_only excludes a token selection, logp_old and a critic")
         if unknown := set(self.modes) - set(ALL_MODES):
@@ -113,47 +112,3 @@ def spec_problems(name: str, *, mode: str, group_size: int) -> list[str]:
             f"{spec.min_group_size} samples per prompt, got {group_size}"
         )
     return problems
-
-
-for _spec in (
-    AlgorithmSpec(
-        "ppo", "gae", "ppo_clip", "token-mean",
-        "PPO: GAE advantages from a learned critic, clipped surrogate and clipped value loss",
-        config=cfg.PPOConfig, needs_critic=True, min_group_size=1,
-    ),
-    AlgorithmSpec("grpo", "grpo", "ppo_clip", "token-mean",
-                  "GRPO: group-normalised outcome advantages, clipped surrogate, no critic",
-                  config=cfg.GRPOConfig, outcome_only=True),
-    AlgorithmSpec("dr_grpo", "dr_grpo", "ppo_clip", "seq-mean-token-sum-norm",
-                  "Dr. GRPO: group-centred advantages without std, constant length normaliser",
-                  config=cfg.ClipConfig, outcome_only=True),
-    AlgorithmSpec("dapo", "grpo", "ppo_clip", "token-mean",
-                  "DAPO: GRPO with clip-higher, dynamic sampling, token-mean and overlong shaping",
-                  config=cfg.DAPOConfig, outcome_only=True),
-    AlgorithmSpec("rloo", "rloo", "ppo_clip", "token-mean",
-                  "RLOO: leave-one-out baseline advantages, clipped surrogate",
-                  config=cfg.ClipConfig, outcome_only=True),
-    AlgorithmSpec("reinforce_pp", "reinforce_pp", "ppo_clip", "token-mean",
-                  "REINFORCE++: KL-penalised token rewards, discounted return, batch-whitened",
-                  config=cfg.ReinforcePPConfig, needs_reference=True, min_group_size=1),
-    AlgorithmSpec("reinforce_pp_baseline", "reinforce_pp_baseline", "ppo_clip", "token-mean",
-                  "REINFORCE++ with group-mean baseline, batch-whitened",
-                  config=cfg.ClipConfig),
-    # seq-mean-token-mean makes GSPO's gradient the sequence-level objective's
-    AlgorithmSpec("gspo", "grpo", "gspo", "seq-mean-token-mean",
-                  "GSPO: sequence-level importance ratio with tight clipping",
-                  config=cfg.GSPOConfig, outcome_only=True),
-    AlgorithmSpec("sapo", "grpo", "sapo", "seq-mean-token-mean",
-                  "SAPO: soft sigmoid gate on the importance ratio instead of a hard clip",
-                  config=cfg.SAPOConfig, outcome_only=True),
-    AlgorithmSpec("cispo", "grpo", "cispo", "token-mean",
-                  "CISPO: clipped, gradient-free importance weight times REINFORCE on every token",
-                  config=cfg.CISPOConfig, outcome_only=True),
-    AlgorithmSpec("m2po", "grpo", "ppo_clip", "token-mean",
-                  "M2PO: drop tokens with the largest rollout/trainer log-ratio^2 until its mean <= threshold",
-                  config=cfg.M2POConfig, token_selection="m2"),
-    AlgorithmSpec("opd", "opd", "ppo_clip", "token-mean",
-                  "On-policy distillation: per-token reverse KL to a teacher as the advantage",
-                  config=cfg.OPDConfig, needs_teacher=True, needs_logp_old=True, min_group_size=1),
-):
-    register_algorithm(_spec)

@@ -17,7 +17,7 @@ nothing heavy is imported.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
@@ -29,20 +29,12 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from relax_core.config import algorithm_specs as specs
+from relax_core.config.algorithm_specs import AlgorithmSpec
 from relax_core.config.section import Dtype, Section
-
-if TYPE_CHECKING:
-    from relax_core.config.algorithm_specs import AlgorithmSpec
 
 DEFAULT_ALGORITHM = "grpo"
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-
-
-def _specs():
-    """The spec table, imported on use: it imports the classes of this module (the specs name them)."""
-    from relax_core.config import algorithm_specs as specs
-
-    return specs
 
 
 class KLConfig(Section):
@@ -109,7 +101,7 @@ DEFAULT_ASYNC_TIS_CAP = 2.0  # docs/algorithms.md, "Off-policy correction"
 def _spec_loss_agg(data: dict[str, Any]) -> str:
     """Default of `loss_agg`: the one the algorithm's spec declares (an unknown name is reported on `name`)."""
     name = data.get("name")
-    return _specs().get_spec(name).loss_agg if name in _specs().algorithm_names() else "token-mean"
+    return specs.get_spec(name).loss_agg if name in specs.algorithm_names() else "token-mean"
 
 
 class AlgorithmCommon(Section):
@@ -138,13 +130,12 @@ class AlgorithmCommon(Section):
 
     @property
     def spec(self) -> AlgorithmSpec:
-        return _specs().get_spec(self.name)
+        return specs.get_spec(self.name)
 
     @classmethod
     def tagged_models(cls) -> dict[str, type[AlgorithmCommon]]:
         """Each algorithm's class by name: what the recipe's `algorithm` field accepts (the loader maps
         an error's location through it, to name the valid keys of that algorithm's section)."""
-        specs = _specs()
         return {name: config_class(specs.get_spec(name)) for name in specs.algorithm_names()}
 
     @property
@@ -171,7 +162,7 @@ class AlgorithmCommon(Section):
 
     def recipe_problems(self, *, mode: str, group_size: int, max_new_tokens: int) -> list[str]:
         """Checks against the rest of the recipe (mode, samples per prompt); empty if it fits."""
-        return _specs().spec_problems(self.name, mode=mode, group_size=group_size)
+        return specs.spec_problems(self.name, mode=mode, group_size=group_size)
 
     @model_validator(mode="after")
     def _needs(self) -> AlgorithmCommon:
@@ -342,7 +333,9 @@ def config_class(spec: AlgorithmSpec) -> type[AlgorithmCommon]:
     A class written for one algorithm (its `name` defaults to that algorithm's) is used as is; a shared
     one (AlgorithmCommon, ClipConfig, or another algorithm's class) gets a subclass with the name.
     """
-    base = spec.config
+    base = spec.config or AlgorithmCommon
+    if not issubclass(base, AlgorithmCommon):
+        raise TypeError(f"algorithm {spec.name}: config must subclass AlgorithmCommon, got {base}")
     if base.model_fields["name"].default == spec.name:
         return base
     title = "".join(part.capitalize() for part in spec.name.replace("-", "_").split("_"))
@@ -355,7 +348,6 @@ def config_class(spec: AlgorithmSpec) -> type[AlgorithmCommon]:
 def _validate_algorithm(value: Any) -> AlgorithmCommon:
     """The recipe's `algorithm` section validated by the class of the algorithm it names."""
     name = value.get("name", DEFAULT_ALGORITHM) if isinstance(value, dict) else getattr(value, "name", None)
-    specs = _specs()
     if name not in specs.algorithm_names():
         message = f"unknown algorithm {name!r}; valid names: {', '.join(specs.algorithm_names())}"
         raise ValidationError.from_exception_data("algorithm", [InitErrorDetails(
@@ -377,3 +369,47 @@ def algorithm_problems(algo: AlgorithmCommon, *, mode: str, group_size: int, max
     """Checks against the rest of the recipe (each algorithm's `recipe_problems`)."""
     return algo.recipe_problems(mode=mode, group_size=group_size, max_new_tokens=max_new_tokens)
 
+
+# The built-in algorithms (a plug-in registers its own the same way).
+for _spec in (
+    AlgorithmSpec(
+        "ppo", "gae", "ppo_clip", "token-mean",
+        "PPO: GAE advantages from a learned critic, clipped surrogate and clipped value loss",
+        config=PPOConfig, needs_critic=True, min_group_size=1,
+    ),
+    AlgorithmSpec("grpo", "grpo", "ppo_clip", "token-mean",
+                  "GRPO: group-normalised outcome advantages, clipped surrogate, no critic",
+                  config=GRPOConfig, outcome_only=True),
+    AlgorithmSpec("dr_grpo", "dr_grpo", "ppo_clip", "seq-mean-token-sum-norm",
+                  "Dr. GRPO: group-centred advantages without std, constant length normaliser",
+                  config=ClipConfig, outcome_only=True),
+    AlgorithmSpec("dapo", "grpo", "ppo_clip", "token-mean",
+                  "DAPO: GRPO with clip-higher, dynamic sampling, token-mean and overlong shaping",
+                  config=DAPOConfig, outcome_only=True),
+    AlgorithmSpec("rloo", "rloo", "ppo_clip", "token-mean",
+                  "RLOO: leave-one-out baseline advantages, clipped surrogate",
+                  config=ClipConfig, outcome_only=True),
+    AlgorithmSpec("reinforce_pp", "reinforce_pp", "ppo_clip", "token-mean",
+                  "REINFORCE++: KL-penalised token rewards, discounted return, batch-whitened",
+                  config=ReinforcePPConfig, needs_reference=True, min_group_size=1),
+    AlgorithmSpec("reinforce_pp_baseline", "reinforce_pp_baseline", "ppo_clip", "token-mean",
+                  "REINFORCE++ with group-mean baseline, batch-whitened",
+                  config=ClipConfig),
+    # seq-mean-token-mean makes GSPO's gradient the sequence-level objective's
+    AlgorithmSpec("gspo", "grpo", "gspo", "seq-mean-token-mean",
+                  "GSPO: sequence-level importance ratio with tight clipping",
+                  config=GSPOConfig, outcome_only=True),
+    AlgorithmSpec("sapo", "grpo", "sapo", "seq-mean-token-mean",
+                  "SAPO: soft sigmoid gate on the importance ratio instead of a hard clip",
+                  config=SAPOConfig, outcome_only=True),
+    AlgorithmSpec("cispo", "grpo", "cispo", "token-mean",
+                  "CISPO: clipped, gradient-free importance weight times REINFORCE on every token",
+                  config=CISPOConfig, outcome_only=True),
+    AlgorithmSpec("m2po", "grpo", "ppo_clip", "token-mean",
+                  "M2PO: drop tokens with the largest rollout/trainer log-ratio^2 until its mean <= threshold",
+                  config=M2POConfig, token_selection="m2"),
+    AlgorithmSpec("opd", "opd", "ppo_clip", "token-mean",
+                  "On-policy distillation: per-token reverse KL to a teacher as the advantage",
+                  config=OPDConfig, needs_teacher=True, needs_logp_old=True, min_group_size=1),
+):
+    specs.register_algorithm(_spec)
