@@ -104,7 +104,6 @@ class Child:
             if out:
                 out.close()  # the child holds its own copy
         self.pid, self.stdin, self.stdout = self._popen.pid, self._popen.stdin, self._popen.stdout
-        self._exited = os.pidfd_open(self.pid)  # readable once it has ended
         self._reaped = False
         self._stopping = threading.Lock()
 
@@ -114,12 +113,16 @@ class Child:
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code once it has ended; `subprocess.TimeoutExpired` past `timeout` seconds."""
-        if self.poll() is None:
-            waiting = select.poll()
-            waiting.register(self._exited, select.POLLIN)
-            if not waiting.poll(None if timeout is None else timeout * 1000):
+        if timeout is None:
+            return self._status(block=True)
+        deadline, delay = time.monotonic() + timeout, 0.0005
+        while self.poll() is None:  # Popen's own wait with a timeout polls the same way
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise subprocess.TimeoutExpired(self._popen.args, timeout)
-        return self._status(block=True)
+            delay = min(delay * 2, left, 0.05)
+            time.sleep(delay)
+        return self.returncode
 
     def send_signal(self, signum: int) -> None:
         """`signum` to it alone (not its group), while it is ours to signal."""
@@ -141,7 +144,6 @@ class Child:
                 self._signal(signal.SIGKILL)
                 self.returncode = self._popen.wait()
                 self._reaped = True
-                os.close(self._exited)
                 for pipe in (self.stdin, self.stdout):
                     _close(pipe)
             return self.returncode
