@@ -62,12 +62,6 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def child_of_this_process():
-    """A `preexec_fn` that ties the child to the calling process."""
-    parent = os.getpid()
-    return lambda: die_with_parent(parent)
-
-
 class Child:
     """A process Relax started, from its start to its reaping; `stop` it at the end, also once it has ended.
 
