@@ -159,7 +159,8 @@ class Child:
             try:
                 ended = os.waitid(os.P_PID, self.pid, flags)
             except ChildProcessError:  # reaped by another hand (SIGCHLD ignored): Popen knows what to say
-                return self._popen.poll()
+                self.returncode = self._popen.poll()
+                return self.returncode
             if ended is not None:
                 self.returncode = ended.si_status if ended.si_code == os.CLD_EXITED else -ended.si_status
         return self.returncode

@@ -15,7 +15,7 @@ time, raises `EngineStartError` naming the engine, its URL and its log, with
 the tail of what this start wrote there. The server is a `cluster.lifetime.Child`
 that dies with the actor: stopping signals its whole process group (SGLang's
 scheduler and detokenizer processes are in it), SIGTERM, then SIGKILL to what
-is left after `STOP_TIMEOUT_S`.
+is left after `lifetime.STOP_GRACE_S`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from relax_core.cluster.ports import candidate_port
 
 BIND_ATTEMPTS = 5  # fresh ports tried when another process took the picked one first
 PORT_TAKEN = "address already in use"  # uvicorn's and the kernel's words, compared in lower case
-STOP_TIMEOUT_S = STOP_GRACE_S  # SIGTERM to SIGKILL (within the 30 s `end_actors` gives an actor's `stop`)
 TAIL_LINES = 20
 
 
@@ -111,7 +110,7 @@ class EngineProcess:
         text = self.proc.output() if self.proc is not None else ""
         return text if lines is None else "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """SIGTERM to the server's process group, SIGKILL to what is left of it after `timeout_s` (idempotent)."""
         proc, self.proc = self.proc, None
         if proc is not None:
