@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
-from relax_core.cluster.lifetime import child_of_this_process
+from relax_core.cluster.lifetime import Child
 
 FILE_BYTES = 10 * 1024**2
 TOTAL_BYTES = 100 * 1024**2
@@ -35,8 +34,9 @@ def run_ray_node(command: list[str], env: dict[str, str], temp_dir: Path, logs: 
 
     On a signal (passed on to Ray) the logs are copied once Ray has ended or `STOP_GRACE_S` later, whichever
     comes first: Slurm's SIGKILL follows its SIGTERM after KillWait, sooner than Ray may take to stop. The child
-    inherits the inheritable file descriptors (the port lease) and dies with this process."""
-    child = subprocess.Popen(command, env=env, close_fds=False, preexec_fn=child_of_this_process())
+    inherits the inheritable file descriptors (the port lease), dies with this process and stays in its process
+    group (Slurm's signals to the step reach it)."""
+    child = Child(command, env=env, close_fds=False, own_session=False, die_with_parent=True)
     stopping: list[float] = []
 
     def pass_on(received: int, _frame) -> None:
@@ -48,7 +48,8 @@ def run_ray_node(command: list[str], env: dict[str, str], temp_dir: Path, logs: 
     while child.poll() is None and not (stopping and time.monotonic() - stopping[0] > STOP_GRACE_S):
         time.sleep(0.2)
     save_ray_logs(temp_dir, logs)
-    code = child.wait()
+    child.wait()
+    code = child.stop()
     return code if code >= 0 else 128 - code
 
 

@@ -12,26 +12,24 @@
 The health wait polls `/health` (SGLang answers 503 until it has loaded and
 warmed up) until a deadline; an engine that exits first, or is not healthy in
 time, raises `EngineStartError` naming the engine, its URL and its log, with
-the tail of what this start wrote there. Stopping signals the whole process
-group (SGLang's scheduler and detokenizer processes are in it): SIGTERM, then
-SIGKILL to what is left after `STOP_TIMEOUT_S`.
+the tail of what this start wrote there. The server is a `cluster.lifetime.Child`
+that dies with the actor: stopping signals its whole process group (SGLang's
+scheduler and detokenizer processes are in it), SIGTERM, then SIGKILL to what
+is left after `lifetime.STOP_GRACE_S`.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from relax_core.cluster.lifetime import STOP_GRACE_S, Child
 from relax_core.cluster.ports import candidate_port
 
 BIND_ATTEMPTS = 5  # fresh ports tried when another process took the picked one first
 PORT_TAKEN = "address already in use"  # uvicorn's and the kernel's words, compared in lower case
-STOP_TIMEOUT_S = 20.0  # SIGTERM to SIGKILL (within the 30 s `end_actors` gives an actor's `stop`)
 TAIL_LINES = 20
 
 
@@ -49,19 +47,17 @@ class EngineProcess:
             logs its server arguments, the API key among them).
         command: its argv for a given port (called as `command(port=...)`).
         env: its environment.
-        preexec_fn: run in the child before exec (die with the parent, pin cores).
+        cpus: the cores it runs on (None: the actor's).
         sock: a socket already listening on `host`, handed to the server (the CPU engine); None:
             the server binds a port picked here (SGLang).
     """
 
     def __init__(self, name: str, host: str, log_path: Path, command: Callable[[int], list[str]],
-                 env: dict[str, str], preexec_fn: Callable[[], None] | None = None,
-                 sock: socket.socket | None = None):
+                 env: dict[str, str], cpus: list[int] | None = None, sock: socket.socket | None = None):
         self.name, self.host, self.log_path, self.command = name, host, Path(log_path), command
-        self.env, self.preexec_fn, self.sock = env, preexec_fn, sock
+        self.env, self.cpus, self.sock = env, cpus, sock
         self.port = sock.getsockname()[1] if sock is not None else 0
-        self.proc: subprocess.Popen | None = None
-        self._log_start = 0  # where this start's output begins in the log
+        self.proc: Child | None = None
         self._attempts = 0
 
     @property
@@ -74,13 +70,10 @@ class EngineProcess:
         self._attempts += 1
         if self.sock is None:
             self.port = candidate_port(self.host)
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with open(fd, "ab") as log:
-            self._log_start = log.seek(0, os.SEEK_END)
-            fds = [self.sock.fileno()] if self.sock is not None else []
-            self.proc = subprocess.Popen(self.command(port=self.port), stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.env, pass_fds=fds, start_new_session=True,
-                                         preexec_fn=self.preexec_fn)
+        fds = [self.sock.fileno()] if self.sock is not None else []
+        # die with the actor: an actor killed by Ray would leave it behind
+        self.proc = Child(self.command(port=self.port), log=self.log_path, log_mode=0o600, env=self.env,
+                          pass_fds=fds, die_with_parent=True, cpus=self.cpus)
         if self.sock is not None:
             self.sock.close()  # the server holds it now
 
@@ -94,7 +87,7 @@ class EngineProcess:
                 if not self._port_was_taken():
                     raise EngineStartError(f"{self.name} at {self.url} exited with code {self.proc.returncode} "
                                            f"before it was healthy; {self._log_end()}")
-                _signal_group(self.proc.pid, signal.SIGKILL)  # what the failed start left (its GPU memory)
+                self.proc.stop(grace_s=0)  # what the failed start left (its GPU memory)
                 self.start()
                 continue
             try:
@@ -114,30 +107,11 @@ class EngineProcess:
 
     def _log_tail(self, lines: int | None = TAIL_LINES) -> str:
         """What this start wrote to the log (its last `lines` lines; None: all)."""
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(self._log_start)
-                text = log.read().decode(errors="replace")
-        except OSError:
-            return ""
+        text = self.proc.output() if self.proc is not None else ""
         return text if lines is None else "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    def stop(self, timeout_s: float = STOP_GRACE_S) -> None:
         """SIGTERM to the server's process group, SIGKILL to what is left of it after `timeout_s` (idempotent)."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(proc.pid, signal.SIGKILL)  # children that outlived the leader, or everything on a timeout
-        proc.wait()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:  # nothing left of the group
-        pass
+        if proc is not None:
+            proc.stop(grace_s=timeout_s)

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from relax_core.cluster.actors import accelerator, node_ip, pin_process
-from relax_core.cluster.lifetime import die_with_parent
 from relax_core.cluster.ports import listening_socket
 from relax_core.config.engines import engine_kind
 from relax_core.rollout.engine_command import EngineSettings, engine_command
@@ -389,18 +388,6 @@ class TrainerWorker:
             self.bus.close()
 
 
-def _in_child(parent_pid: int, cpus: list[int] | None) -> None:
-    """In the engine's process before it starts: die with the actor, run on the given cores.
-
-    The engine runs in its own session (so a Ctrl-C meant for the driver does
-    not reach it); without dying with the actor, an actor killed by Ray would
-    leave it behind.
-    """
-    die_with_parent(parent_pid)
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-
-
 class EngineWorker:
     """Starts one engine server on this actor's node (and GPUs) and stops it by its process group.
 
@@ -423,14 +410,12 @@ class EngineWorker:
                             KEEP_ALIVE_ENV: str(ENGINE_KEEP_ALIVE_S)}  # why: rollout/router.py (Keep-alive)
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        parent = os.getpid()
         # An engine that binds its port itself is given a port; else it serves on this very socket: its port
         # stays ours.
         sock = None if kind.binds_own_port else listening_socket(host)
         command = partial(engine_command, settings, index, python=python, host=host,
                           fd=None if sock is None else sock.fileno())
-        self.server = EngineProcess(f"engine {index}", host, Path(log_path), command, env,
-                                    preexec_fn=lambda: _in_child(parent, cpus), sock=sock)
+        self.server = EngineProcess(f"engine {index}", host, Path(log_path), command, env, cpus=cpus, sock=sock)
         self.server.start()
 
     @property

@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from relax_core.entrypoints.slurm_steps import hostnames, srun_command, srun_env, terminate
+from relax_core.cluster.lifetime import Child
+from relax_core.entrypoints.slurm_steps import hostnames, srun_command, srun_env
 from relax_core.run_requests import SCALE_FOLDER
 from relax_core.rundir import RunDir
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print("relax: the run has no Ray head recorded (run.json: ray_head); nothing to join", file=sys.stderr)
         return 1
     group = rollout_group_name(recipe)
-    procs: list[subprocess.Popen] = []
+    procs: list[Child] = []
 
     def ending(*_) -> None:  # the time limit is near: the driver takes the engines away first
         (run.path / SCALE_FOLDER / f"{args.op}.ending").write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -59,15 +59,13 @@ def main(argv: list[str] | None = None) -> int:
             node_argv = ["relax_core.cluster.node", str(run.path), "--group", group, "--index", str(index),
                          "--head-address", head, "--scale-op", args.op]
             command = srun_command(recipe, run, group, node, f"ray-{node}", node_argv)
-            with (run.logs / f"ray-{node}-{args.op}.log").open("ab") as out:
-                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                              env=srun_env()))
+            procs.append(Child(command, log=run.logs / f"ray-{node}-{args.op}.log", env=srun_env()))
         while all(proc.poll() is None for proc in procs):
             time.sleep(0.5)
         return 0
     finally:
         for proc in procs:
-            terminate(proc)
+            proc.stop()
 
 
 if __name__ == "__main__":

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import getpass
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relax_core.cluster.lifetime import Child
 from relax_core.config.cluster import NodeGroup
 from relax_core.config.schema import Recipe
 from relax_core.rundir import RunDir
@@ -115,7 +115,7 @@ class Step:
     name: str
     node: str
     log_path: Path
-    proc: subprocess.Popen
+    proc: Child
     launched: float = field(default_factory=time.monotonic)
     started: bool = False
 
@@ -179,19 +179,6 @@ def running_steps(job_ids: set[int]) -> dict[tuple[str, str], str] | None:
     return steps
 
 
-def terminate(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
 class JobSteps:
     """The job's srun steps: one Ray node per allocated node, and the driver."""
 
@@ -209,10 +196,7 @@ class JobSteps:
     def srun(self, group: str, node: str, job_name: str, argv: list[str], log_path: Path,
              driver: bool = False) -> Step:
         command = self.step_command(group, node, job_name, argv, driver=driver)
-        with log_path.open("ab") as out:
-            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=srun_env())
-        return Step(job_name, node, log_path, proc)
+        return Step(job_name, node, log_path, Child(command, log=log_path, env=srun_env()))
 
     def start_nodes(self, head_address: str, head_block: int) -> None:
         for name, group, index in self.alloc.nodes():
@@ -285,7 +269,7 @@ class JobSteps:
         directory before it ends (cluster/ray_logs.py): srun itself answers a SIGTERM by killing its tasks at
         once ("forcing job termination"). A step still running `grace_s` later is stopped by its process group."""
         if self.driver is not None:
-            terminate(self.driver.proc)
+            self.driver.proc.stop()
         live = [step for step in reversed(self.nodes) if step.proc.poll() is None]
         ids = (running_steps(self.job_ids()) or {}) if live else {}
         for step in live:
@@ -298,4 +282,4 @@ class JobSteps:
                 step.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            terminate(step.proc)
+            step.proc.stop()

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from relax_core.cluster.lifetime import Child
 from relax_core.rewards.failures import describe_error
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,8 @@ class _Worker:
     `relax_core.rollout.tool_worker` and a tools file), spoken to with pickles over its stdin/stdout."""
 
     def __init__(self, args: list[str], module: str = "relax_core.rewards.worker"):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_worker_env())
+        self.process = Child([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=_worker_env())
         self.broken: str | None = None
         self.ready = False
 
@@ -74,7 +74,7 @@ class _Worker:
         status, detail = self._receive(_START_TIMEOUT_S) or ("broken", "worker did not start in time")
         self.ready, self.broken = status == "ready", detail
         if not self.ready:
-            self.process.kill()  # so the pool replaces it
+            self.process.stop(grace_s=0)  # so the pool replaces it
 
     def call(self, name: str, module: str, args: tuple, timeout_s: float) -> Outcome:
         self.wait_ready()
@@ -105,14 +105,7 @@ class _Worker:
         return self.process.poll() is None
 
     def stop(self) -> None:
-        if self.alive:
-            self.process.kill()
-        self.process.wait(timeout=10)
-        for stream in (self.process.stdin, self.process.stdout):
-            try:
-                stream.close()
-            except OSError:  # the pipe broke with the process
-                pass
+        self.process.stop(grace_s=0)  # a hung call would not heed SIGTERM
 
 
 def _worker_env() -> dict[str, str]:

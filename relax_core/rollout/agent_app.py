@@ -40,7 +40,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -51,6 +50,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request  # at module level: the handlers' annotations name Request
 
+from relax_core.cluster.lifetime import Child
 from relax_core.rollout.chat_turns import ChatTurns
 from relax_core.rollout.multiturn import Trajectory, TurnFn
 from relax_core.rollout.tools import parse_calls
@@ -323,16 +323,15 @@ class AgentPrograms:
         task.write_text(json.dumps({k: row.get(k) for k in ("prompt", "label", "metadata")}, default=str))
         env = dict(os.environ, OPENAI_BASE_URL=self.endpoint.url, OPENAI_API_KEY=key,
                    RELAX_TASK_FILE=str(task), RELAX_REWARD_FILE=str(reward_file))
-        with open(folder / "output.log", "wb") as output:
-            process = subprocess.Popen(["/bin/sh", "-c", cfg.command], cwd=cfg.cwd, env=env, stdin=subprocess.DEVNULL,
-                                       stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        process = Child(["/bin/sh", "-c", cfg.command], log=folder / "output.log", cwd=cfg.cwd, env=env,
+                        stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + cfg.timeout_s
         try:
             while process.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
             timed_out = process.poll() is None
         finally:  # whatever it left behind (a hung call, a child it started) ends with it
-            _kill_group(process)
+            process.stop(grace_s=0)
         if timed_out:
             return 0.0, "timeout"
         try:
@@ -345,11 +344,3 @@ class AgentPrograms:
             self.endpoint.stop()
             self.endpoint = None
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # its own group (start_new_session): nothing else of ours
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()

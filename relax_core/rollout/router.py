@@ -11,8 +11,9 @@ Security, on a shared cluster:
 - the router binds only the given host (metrics too, on their own port);
   sglang-router cannot be handed a bound socket, so its ports are picked free
   just before it starts, and picked again when another process took one first;
-- the router dies with the process that started it (`lifetime.die_with_parent`),
-  even when that one is killed with SIGKILL;
+- the router dies with the process that started it (`lifetime.Child` with
+  `die_with_parent`), even when that one is killed with SIGKILL; it runs in a
+  session of its own, stopped as a process group;
 - one key guards both hops: the router's own `--api-key` makes it answer 401
   to any request without `Authorization: Bearer KEY` (health probes aside),
   and the router sends the same bearer key to the engines (SGLang's and the
@@ -76,7 +77,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -84,7 +84,7 @@ from typing import Any
 
 import httpx
 
-from relax_core.cluster.lifetime import child_of_this_process
+from relax_core.cluster.lifetime import Child
 from relax_core.cluster.ports import candidate_port, listening_socket
 
 ROUTER_KEY_ENV = "RELAX_ROUTER_API_KEY"
@@ -95,6 +95,8 @@ DRAIN_IDLE_READINGS = 5
 LOAD_KEYS = ("num_running_reqs", "num_waiting_reqs")  # what an engine holds, in SGLang's /v1/loads
 BIND_ATTEMPTS = 5  # fresh ports tried when another process took the picked ones first
 PORT_TAKEN = "Address already in use"
+STOP_GRACE_S = 15.0  # SIGTERM to SIGKILL
+TAIL_CHARS = 3000  # of the router's log, in an error
 
 
 # How long an engine Relax starts keeps an idle connection open (`SGLANG_TIMEOUT_KEEP_ALIVE`): longer than the
@@ -112,7 +114,7 @@ class RouterError(RuntimeError):
 
 
 class Router:
-    """An sglang-router process in front of the rollout engines (started and stopped by PID).
+    """An sglang-router process in front of the rollout engines (started and stopped by its process group).
 
     Args:
         host: the only address the router (and its metrics endpoint) binds.
@@ -143,8 +145,7 @@ class Router:
         self._given_ports = (port, metrics_port)
         self.port, self.metrics_port = port, metrics_port
         self._api_key = api_key
-        self._proc: subprocess.Popen | None = None
-        self._log_start = 0  # where the current start's output begins in the log
+        self._proc: Child | None = None
 
     @property
     def url(self) -> str:
@@ -205,22 +206,13 @@ class Router:
         self.port = given_port or candidate_port(self.host)
         self.metrics_port = given_metrics or candidate_port(self.host)
         env = dict(os.environ, **{ROUTER_KEY_ENV: self._api_key})
-        with open(self.log_path, "ab") as log:
-            self._log_start = log.tell()
-            self._proc = subprocess.Popen(self.command(worker_urls), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                          preexec_fn=child_of_this_process())
+        self._proc = Child(self.command(worker_urls), log=self.log_path, env=env, die_with_parent=True)
 
     def stop(self) -> None:
-        """Terminate the router by its PID (idempotent)."""
+        """SIGTERM to the router's process group, SIGKILL to what is left after `STOP_GRACE_S` (idempotent)."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            proc.stop(grace_s=STOP_GRACE_S)
 
     def __enter__(self) -> Router:
         return self
@@ -242,10 +234,11 @@ class Router:
         raise RouterError(f"router not routing to {sorted(expected)} after {timeout_s}s; see {self.log_path}")
 
     def _check_alive(self) -> None:
-        if self._proc is None or self._proc.poll() is not None:
-            code = None if self._proc is None else self._proc.returncode
-            raise RouterError(f"router exited ({code}); see {self.log_path}:\n"
-                              f"{_tail(self.log_path, start=self._log_start)}")
+        if self._proc is None:
+            raise RouterError(f"router not running; see {self.log_path}")
+        if self._proc.poll() is not None:
+            raise RouterError(f"router exited ({self._proc.returncode}); see {self.log_path}:\n"
+                              f"{self._proc.output()[-TAIL_CHARS:]}")
 
     @property
     def _headers(self) -> dict[str, str]:
@@ -340,16 +333,6 @@ def _healthy(response: httpx.Response) -> set[str]:
 def _expect(response: httpx.Response, ok: tuple[int, ...], what: str) -> None:
     if response.status_code not in ok:
         raise RouterError(f"{what}: {response.request.url} -> {response.status_code}: {response.text[:500]}")
-
-
-def _tail(path: str, chars: int = 3000, start: int = 0) -> str:
-    """The end of a log, from byte `start` on (what one start of the process wrote)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read().decode(errors="replace")[-chars:]
-    except OSError:
-        return ""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,7 +48,7 @@ def started_argv(monkeypatch, settings: EngineSettings, index: int) -> list[str]
     started = []
 
     class Recorded:
-        def __init__(self, name, host, log_path, command, env, preexec_fn=None, sock=None):
+        def __init__(self, name, host, log_path, command, env, cpus=None, sock=None):
             started.append(command(port=PORT))
 
         def start(self):
