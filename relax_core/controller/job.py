@@ -27,9 +27,9 @@ from relax_core.config.modes import mode_spec
 from relax_core.config.schema import FileData, Recipe, rollout_group_name
 from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.workers import TrainerWorker
+from relax_core.data.sample import Sample
 from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched
 from relax_core.rollout.settings import agentic, engine_video, media_prompts, sampling_config
-from relax_core.rollout.types import Sample
 from relax_core.rundir import RunDir
 from relax_core.train.settings import megatron_options, trainer_config
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relax_core.algorithms.dapo import dynamic_sampling_keep, penalty_for_length
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 
 @dataclass

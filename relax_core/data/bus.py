@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
                   "policy_version", "sample_id", "finish_reason", "label", "metadata", "multimodal")

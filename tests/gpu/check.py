@@ -124,7 +124,7 @@ def samples(lengths: dict, vocab: int, seed: int = 0):
     """One group of `samples` rows of random tokens with different rewards; engine log-probs a little off."""
     import torch
 
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -304,7 +304,7 @@ def parity_samples():
     """A fixed GRPO batch: 8 rows in 2 groups of 4, a reward in each group (so the advantages are not 0)."""
     import random
 
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
 
     rng = random.Random(0)
     out = []

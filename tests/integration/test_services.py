@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 LENGTHS = [(3, 5), (1, 1), (6, 2), (2, 7), (4, 0), (5, 3), (2, 4)]  # (prompt, response) tokens; one empty response
 

@@ -6,7 +6,7 @@ import pytest
 
 from relax_core.config.algorithms import DAPOConfig, GRPOConfig
 from relax_core.controller.sampling_rounds import collect_batch
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 
 def group(gid: int, rewards: list[float], length: int = 1) -> list[Sample]:
