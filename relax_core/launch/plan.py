@@ -188,8 +188,8 @@ class _Planner:
 
     def commands(self, python: str) -> list[tuple[str, list[str]]]:
         """(name, argv) of every engine server the run starts: the rollout engines, then the judge's."""
-        from relax_core.controller.workers import cpu_engine_command
         from relax_core.models.model_dir import trust_remote_code
+        from relax_core.rollout.engine_worker import cpu_engine_command
         from relax_core.rollout.settings import engine_video
 
         r = self.recipe
@@ -198,7 +198,7 @@ class _Planner:
         commands = []
         for i in range(ro.num_engines):
             seed, trust = r.train.seed + i, trust_remote_code(r)
-            if engine_kind(ro.engine).binds_own_port:  # the command EngineWorker runs (controller/workers.py)
+            if engine_kind(ro.engine).binds_own_port:  # the command EngineWorker runs (rollout/engine_worker.py)
                 from relax_core.rollout.sglang_engine import server_args, server_command
 
                 argv = server_command(model_dir=model_dir, tp_size=ro.gpus_per_engine, seed=seed, weight_version="0",

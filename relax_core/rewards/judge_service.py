@@ -62,7 +62,7 @@ class JudgeService:
         return service
 
     def _spawn(self, index: int, model: str, log_path: str, threads: int, cpus: list[int] | None, recipe) -> None:
-        from relax_core.controller.workers import EngineWorker
+        from relax_core.rollout.engine_worker import EngineWorker
 
         actor = self._ray.remote(num_cpus=0, resources={JUDGE_RESOURCE: 1})(EngineWorker).remote(
             index, model, log_path, self.api_key, threads, recipe.train.seed, recipe.rollout.max_concurrency, cpus,

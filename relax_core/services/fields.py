@@ -56,7 +56,7 @@ class _FieldWorker:
         self.rows = 0  # processed so far (tests and logs)
 
     def node_id(self) -> str:
-        from relax_core.services.placement import node_id
+        from relax_core.cluster.actors import node_id
 
         return node_id()
 

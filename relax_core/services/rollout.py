@@ -112,7 +112,7 @@ class RolloutService:
         return [EngineClient(url, api_key=self.api_key) for url in urls]
 
     def node_id(self) -> str:
-        from relax_core.services.placement import node_id
+        from relax_core.cluster.actors import node_id
 
         return node_id()
 

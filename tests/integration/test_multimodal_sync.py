@@ -106,7 +106,7 @@ def test_the_runs_video_settings_reach_the_engines_command_line(tmp_path):
     import yaml
 
     from relax_core.config import load_recipe
-    from relax_core.controller.workers import cpu_engine_command
+    from relax_core.rollout.engine_worker import cpu_engine_command
     from relax_core.rollout.settings import engine_video
 
     recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "quickstart_vlm.yaml").read_text())
