@@ -45,8 +45,6 @@ STILL_UPWARD = {
     ("entrypoints/slurm_job.py", "relax_core.launch.scale_jobs"),
     ("entrypoints/slurm_scale.py", "relax_core.launch.scale_jobs"),
     ("entrypoints/slurm_steps.py", "relax_core.launch.container"),
-    ("rollout/cpu_engine/server.py", "relax_core.weights.ipc"),
-    ("rollout/cpu_engine/server.py", "relax_core.weights.process_group"),
     ("rollout/manager.py", "relax_core.rewards.hub"),
     ("rollout/tool_worker.py", "relax_core.rewards.worker"),
     ("rollout/tools.py", "relax_core.rewards.pool"),
