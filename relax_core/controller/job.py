@@ -295,8 +295,8 @@ class Job:
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:
-        """The step's scored samples: one generation round, or DAPO's rounds (controller/sampling_rounds.py)."""
-        from relax_core.controller.sampling_rounds import rollout_step
+        """The step's scored samples: one generation round, or DAPO's rounds (rollout/sampling_rounds.py)."""
+        from relax_core.rollout.sampling_rounds import rollout_step
 
         return rollout_step(step, self.recipe, self.prompts, self.rollout_manager, self.loop, self.stop.is_set)
 

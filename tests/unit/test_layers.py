@@ -46,8 +46,6 @@ STILL_UPWARD = {
     ("entrypoints/slurm_scale.py", "relax_core.launch.scale_jobs"),
     ("entrypoints/slurm_steps.py", "relax_core.launch.container"),
     ("rollout/manager.py", "relax_core.rewards.hub"),
-    ("services/rollout.py", "relax_core.controller.preemption"),
-    ("services/rollout.py", "relax_core.controller.sampling_rounds"),
 }
 
 
