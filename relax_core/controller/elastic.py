@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_core.cluster.node import scale_resource
+from relax_core.cluster.placement import scale_resource
 
 log = logging.getLogger(__name__)
 

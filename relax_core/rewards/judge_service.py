@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from relax_core.cluster.node import JUDGE_RESOURCE
+from relax_core.cluster.placement import JUDGE_RESOURCE
 from relax_core.rewards.genrm import JudgeEndpoints
 
 log = logging.getLogger(__name__)

@@ -124,7 +124,7 @@ def test_reference_workers_the_cluster_has_no_room_for_are_refused_at_once(local
     slot (the session's cluster has one reference slot and no GPU)."""
     import ray
 
-    from relax_core.cluster.node import REFERENCE_RESOURCE
+    from relax_core.cluster.placement import REFERENCE_RESOURCE
     from relax_core.services.launch import check_capacity
 
     check_capacity(ray, REFERENCE_RESOURCE, 1, 0, "cluster.reference")  # room for one CPU worker
