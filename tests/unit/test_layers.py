@@ -41,7 +41,6 @@ STILL_UPWARD = {
     ("controller/api.py", "relax_core.launch.control"),
     ("controller/job.py", "relax_core.launch.same_run"),
     ("controller/job.py", "relax_core.launch.scale_jobs"),
-    ("entrypoints/slurm_job.py", "relax_core.launch.hub"),
     ("entrypoints/slurm_job.py", "relax_core.launch.scale_jobs"),
     ("entrypoints/slurm_scale.py", "relax_core.launch.scale_jobs"),
     ("entrypoints/slurm_steps.py", "relax_core.launch.container"),
