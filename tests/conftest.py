@@ -35,7 +35,7 @@ def local_ray(tmp_path_factory):
     actors hold none, only the train, rollout, judge and reference slots.
     """
     from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
-    from relax_core.cluster.node import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
+    from relax_core.cluster.placement import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
     from relax_core.rundir import new_run_dir
 
     saved_env = dict(os.environ)

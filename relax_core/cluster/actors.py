@@ -21,6 +21,13 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
+def node_id() -> str:
+    """The Ray node this process runs on (actors expose it so others can be placed beside them)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def pin_process(cpus: list[int]) -> None:
     """Run every thread of this process (and the threads they start later) on `cpus`.
 

@@ -43,6 +43,15 @@ from pathlib import Path
 
 from relax_core.cluster.address import NodeAddress, pick_address
 from relax_core.cluster.local_ray import token_env
+from relax_core.cluster.placement import (
+    JUDGE_RESOURCE,
+    REFERENCE_RESOURCE,
+    ROLLOUT_RESOURCE,
+    TRAIN_RESOURCE,
+    engines_per_node,
+    node_resource,
+    scale_resource,
+)
 from relax_core.cluster.ports import NodePorts, block_ports, lease_ports
 from relax_core.cluster.ray_compat import temp_dir_inside
 from relax_core.cluster.ray_logs import run_ray_node
@@ -50,22 +59,8 @@ from relax_core.config.modes import mode_spec
 from relax_core.config.schema import Recipe, rollout_group_name
 from relax_core.rundir import RunDir
 
-# Custom Ray resources nodes advertise: training-rank slots, engine slots, reference-worker slots.
-TRAIN_RESOURCE, ROLLOUT_RESOURCE, REFERENCE_RESOURCE = "relax_train", "relax_rollout", "relax_reference"
-JUDGE_RESOURCE = "relax_judge"  # judge-engine slots (`reward.genrm`), on the engines' group beside its engine slots
 NOFILE = 65536  # open files a Ray node should be allowed (Ray recommends at least 65535)
 INFINIBAND = Path("/sys/class/infiniband")
-
-
-def scale_resource(op_id: str) -> str:
-    """The resource the nodes of scale-out `op_id`'s job advertise, which only its engines ask for
-    (controller/elastic.py)."""
-    return f"relax_scale_{op_id}"
-
-
-def node_resource(name: str) -> str:
-    """The custom resource that identifies one Slurm node in the Ray cluster."""
-    return f"relax_node_{name}"
 
 
 def multi_node(recipe: Recipe) -> bool:
@@ -96,8 +91,6 @@ def node_resources(recipe: Recipe, group: str, name: str, scale_op: str | None =
     nodes = getattr(recipe.cluster, group)
     resources: dict[str, float] = {node_resource(name): 1}
     if scale_op is not None:  # a node of a scale-out job: engine slots, and the ones its engines ask for
-        from relax_core.cluster.placement import engines_per_node
-
         slots = nodes.gpus_per_node or engines_per_node(recipe)
         return resources | {ROLLOUT_RESOURCE: slots, scale_resource(scale_op): slots}
     if group == "train":

@@ -5,6 +5,8 @@ and `relax validate`'s plan (launch/plan.py) shows.
     cores      threads_per_process (torch threads per process on a node), local_cpu_sets (each node group's
                cores on one machine)
     local Ray  local_slots (the custom resources of the local executor's one node), local_engine_capacity
+    Ray        the custom resources' names: TRAIN_RESOURCE, ROLLOUT_RESOURCE, REFERENCE_RESOURCE, JUDGE_RESOURCE,
+               scale_resource (a scale-out job's nodes), node_resource (one Slurm node)
 
 A Slurm node's resources are `cluster/node.py`'s `node_resources`, which reads the same functions.
 """
@@ -15,6 +17,21 @@ import math
 import os
 
 from relax_core.config.schema import Recipe, rollout_group_name
+
+# Custom Ray resources nodes advertise: training-rank slots, engine slots, reference-worker slots.
+TRAIN_RESOURCE, ROLLOUT_RESOURCE, REFERENCE_RESOURCE = "relax_train", "relax_rollout", "relax_reference"
+JUDGE_RESOURCE = "relax_judge"  # judge-engine slots (`reward.genrm`), on the engines' group beside its engine slots
+
+
+def scale_resource(op_id: str) -> str:
+    """The resource the nodes of scale-out `op_id`'s job advertise, which only its engines ask for
+    (controller/elastic.py)."""
+    return f"relax_scale_{op_id}"
+
+
+def node_resource(name: str) -> str:
+    """The custom resource that identifies one Slurm node in the Ray cluster."""
+    return f"relax_node_{name}"
 
 
 def engines_share_train_gpus(recipe: Recipe) -> bool:
@@ -74,8 +91,6 @@ def threads_per_process(recipe: Recipe, group: str, cores: int) -> int:
 
 def local_slots(recipe: Recipe) -> dict[str, float]:
     """The custom resources of the one local Ray node: every group's slots (as `cluster.node` gives a node)."""
-    from relax_core.cluster.node import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
-
     # GPU engines: the engines' group's GPUs, as a node of it declares them (their placement groups take
     # them all, controller/gpu_slots.py); CPU engines: one slot each, for as many as a scale-out may add
     engine_gpus = recipe.rollout.gpus_per_engine and getattr(recipe.cluster, rollout_group_name(recipe)).gpus_per_node

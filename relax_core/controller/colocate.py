@@ -32,8 +32,8 @@ from statistics import fmean
 
 from relax_core.cluster.placement import engines_share_train_gpus
 from relax_core.controller.job import Job, timed
-from relax_core.controller.preemption import Preempted
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
+from relax_core.rollout.sampling_rounds import Preempted
 
 # SGLang's memory tags: what an engine frees while the trainer trains, and the two halves it resumes in.
 WEIGHT_TAGS, CACHE_TAGS = ["weights"], ["kv_cache", "cuda_graph"]

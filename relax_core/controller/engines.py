@@ -81,7 +81,7 @@ class EngineSet:
         return [actor.wait_ready.remote() for actor in self._launched]
 
     def _spawn(self, options: dict[str, Any] | None = None):
-        from relax_core.controller.workers import EngineWorker
+        from relax_core.rollout.engine_worker import EngineWorker
 
         s, index = self.spec, self._next_index
         slot, gpus = None, None

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from relax_core.cluster.node import ROLLOUT_RESOURCE, TRAIN_RESOURCE
 from relax_core.cluster.placement import (
+    ROLLOUT_RESOURCE,
+    TRAIN_RESOURCE,
     engine_slot_gpus,
     engine_slots,
     engines_per_node,

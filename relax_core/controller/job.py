@@ -32,9 +32,9 @@ from relax_core.controller.progress import Progress
 from relax_core.controller.restarts import TrainerWatch
 from relax_core.controller.scale_out import LocalScaleOut, ScaleOut
 from relax_core.controller.workers import RankSetup, TrainerWorker
+from relax_core.data.sample import Sample
 from relax_core.models.model_dir import prepare_model_dir, trust_remote_code, with_fetched
 from relax_core.rollout.settings import agentic, media_prompts, sampling_config
-from relax_core.rollout.types import Sample
 from relax_core.rundir import RunDir
 from relax_core.train.settings import megatron_options, trainer_config
 
@@ -278,8 +278,8 @@ class Job:
 
     # --------------------------------------------------------------- verbs
     def rollout(self, step: int) -> list[Sample]:
-        """The step's scored samples: one generation round, or DAPO's rounds (controller/sampling_rounds.py)."""
-        from relax_core.controller.sampling_rounds import rollout_step
+        """The step's scored samples: one generation round, or DAPO's rounds (rollout/sampling_rounds.py)."""
+        from relax_core.rollout.sampling_rounds import rollout_step
 
         return rollout_step(step, self.recipe, self.prompts, self.rollout_manager, self.loop, self.stop.is_set)
 

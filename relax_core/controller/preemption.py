@@ -4,7 +4,8 @@
         -> job.stop is set
         -> every engine: /abort_request {abort_all: true}, again every second until the loop has ended
            (a request sent just before the signal can reach its engine after the first abort)
-        -> the step's rollout ends within a second (GenerationAborted -> Preempted); its samples are dropped
+        -> the step's rollout ends within a second (GenerationAborted -> Preempted,
+           rollout/sampling_rounds.py); its samples are dropped
         -> the loop checkpoints the last completed step with its prompt cursor (unless that step
            already is checkpointed) and returns "stopped"; a resumed run regenerates the dropped step
 
@@ -25,10 +26,6 @@ from contextlib import contextmanager
 log = logging.getLogger(__name__)
 POLL_S = 0.1  # how soon after the signal the first abort goes out
 REPEAT_S = 1.0  # then how often, until the training loop has returned
-
-
-class Preempted(Exception):
-    """The step in progress was abandoned because the run was told to stop."""
 
 
 def stop_on_signals(stop: threading.Event, signals=(signal.SIGUSR1, signal.SIGTERM)) -> None:

@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from relax_core.cluster.node import scale_resource
-from relax_core.cluster.placement import engines_per_node, local_engine_capacity
+from relax_core.cluster.placement import engines_per_node, local_engine_capacity, scale_resource
 from relax_core.config.schema import Recipe
 from relax_core.run_requests import ScaleJobRequests
 from relax_core.rundir import RunDir

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from statistics import fmean
 
 from relax_core.controller.job import Job
-from relax_core.controller.preemption import Preempted
+from relax_core.rollout.sampling_rounds import Preempted
 from relax_core.services.rollout import StepRecord
 
 log = logging.getLogger(__name__)

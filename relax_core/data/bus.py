@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
                   "policy_version", "sample_id", "finish_reason", "label", "metadata", "multimodal")
@@ -101,7 +101,7 @@ def _storage_units() -> int:
     each training node adds one CPU for its unit (cluster/node.py; two on one machine, local_driver.py)."""
     import ray
 
-    from relax_core.cluster.node import TRAIN_RESOURCE
+    from relax_core.cluster.placement import TRAIN_RESOURCE
 
     free = int(ray.available_resources().get("CPU", 0))
     if free < 2:
@@ -129,7 +129,7 @@ class SampleBus:
         tq = import_tq()
         from omegaconf import OmegaConf
 
-        from relax_core.cluster.node import TRAIN_RESOURCE
+        from relax_core.cluster.placement import TRAIN_RESOURCE
 
         try:
             ray.get_actor(*_TQ_ACTOR)

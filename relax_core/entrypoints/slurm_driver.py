@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from relax_core.cluster.local_ray import token_env
-from relax_core.cluster.node import node_resource
+from relax_core.cluster.placement import node_resource
 from relax_core.entrypoints.slurm_job import DRIVER_COMPLETED, DRIVER_STARTUP_FAILED, DRIVER_STOPPED
 from relax_core.rundir import RunDir
 

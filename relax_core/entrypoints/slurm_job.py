@@ -66,7 +66,7 @@ def _now() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from relax_core.config import load_recipe
-    from relax_core.launch.hub import hub_env
+    from relax_core.models.hub_cache import hub_env
 
     run = RunDir(Path((argv or sys.argv[1:])[0]).resolve())
     try:  # the run's driver lock, held until this batch step ends (the submitting node cannot hold it)

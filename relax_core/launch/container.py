@@ -163,7 +163,7 @@ def recipe_paths(recipe: Recipe, run_dir: Path | None) -> list[tuple[str, Path, 
     paths are taken from the current directory, as the job does.
     """
     from relax_core.config.checks import looks_like_hub_id
-    from relax_core.launch.hub import hub_cache_dir
+    from relax_core.models.hub_cache import hub_cache_dir
 
     read: list[tuple[str, str | None]] = []
     model, data, rollout, reward = recipe.model, recipe.data, recipe.rollout, recipe.reward

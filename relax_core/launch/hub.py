@@ -4,14 +4,14 @@ Compute nodes of most clusters have no internet. `relax submit` therefore downlo
 recipe names into a shared cache (`cluster.hub_cache`, default `hub-cache` beside the run directory,
 laid out as `HF_HOME`: the snapshots are under `hub/`) before anything is recorded, and writes the
 folder of each into run.json (`hub`: recipe field -> local folder). The job loads those folders
-(`models/model_dir.py: with_fetched`); on Slurm every process of it runs with the hub offline (`hub_env`,
-set by the batch step), so nothing on a compute node tries the network. The local executor fetches and
-loads the same way, in the environment it was started with. A cached snapshot is used as is (offline
-first, so a second submit asks the hub nothing); only what is missing is fetched; delete a snapshot's
-folder to fetch it anew.
+(`models/model_dir.py: with_fetched`); on Slurm every process of it runs with the hub offline
+(`models/hub_cache.py: hub_env`, set by the batch step), so nothing on a compute node tries the network.
+The local executor fetches and loads the same way, in the environment it was started with. A cached
+snapshot is used as is (offline first, so a second submit asks the hub nothing); only what is missing is
+fetched; delete a snapshot's folder to fetch it anew.
 
-This module imports nothing heavy (huggingface_hub only inside `fetch_hub`): the container code asks it
-for the cache path to bind.
+This module imports nothing heavy (huggingface_hub only inside `fetch_hub`). Where the cache is, and the
+job's offline environment, are `models/hub_cache.py`'s (the job reads them, the container code binds it).
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ from relax_core.config.checks import looks_like_hub_id
 from relax_core.config.data import FileData
 from relax_core.config.model import HFModel
 from relax_core.errors import RecipeError
+from relax_core.models.hub_cache import hub_cache_dir
 
-HUB_CACHE_NAME = "hub-cache"
 # A model repository often holds the same weights in several formats; the trainers and engines read these.
 MODEL_IGNORE = ["*.gguf", "*.onnx", "onnx/*", "*.msgpack", "*.h5", "*.tflite", "*.ot", "original/*"]
 # What `model.tokenizer` needs of a repository (not its weights); *.py for a tokenizer that ships its own code.
 TOKENIZER_ALLOW = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
-# The job's environment: the hub is never asked from a compute node.
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 @dataclass(frozen=True)
@@ -42,21 +40,6 @@ class HubRef:
     repo_type: str  # "model" or "dataset"
     allow: tuple[str, ...] | None = None
     ignore: tuple[str, ...] | None = None
-
-
-def hub_cache_dir(recipe, run_dir: str | Path) -> Path:
-    """The shared cache of a run: `cluster.hub_cache`, or `hub-cache` in the run directory's parent.
-    `relax submit` creates it when the recipe names a hub id."""
-    if recipe.cluster.hub_cache:
-        return Path(recipe.cluster.hub_cache).expanduser().resolve()
-    return Path(run_dir).expanduser().resolve().parent / HUB_CACHE_NAME
-
-
-def hub_env(recipe, run_dir: str | Path) -> dict[str, str]:
-    """The variables every process of a Slurm job gets: the hub offline, and `HF_HOME` / `HF_HUB_CACHE` in
-    the shared cache (also inside a container, whose image may point `HF_HOME` at a folder of its own)."""
-    cache = hub_cache_dir(recipe, run_dir)
-    return {**OFFLINE_ENV, "HF_HOME": str(cache), "HF_HUB_CACHE": str(cache / "hub")}
 
 
 def hub_refs(recipe) -> list[HubRef]:

@@ -88,7 +88,7 @@ def _config(recipe: Recipe, folder: str | None) -> dict | None:
             return json.loads((Path(candidate).expanduser() / "config.json").read_text())
     from huggingface_hub import try_to_load_from_cache
 
-    from relax_core.launch.hub import hub_cache_dir
+    from relax_core.models.hub_cache import hub_cache_dir
 
     cache = hub_cache_dir(recipe, Path(recipe.logging.run_root) / "run") / "hub"
     found = try_to_load_from_cache(model.path, "config.json", cache_dir=str(cache))

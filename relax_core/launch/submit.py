@@ -105,7 +105,8 @@ def _check_resume_step(sub: Submission, ckpt: Path) -> None:
 
 def dry_run_plan(sub: Submission) -> list[str]:
     """What a real submit would do; for an existing run nothing has been written."""
-    from relax_core.launch.hub import hub_cache_dir, hub_refs
+    from relax_core.launch.hub import hub_refs
+    from relax_core.models.hub_cache import hub_cache_dir
 
     name, steps = sub.recipe.name, sub.recipe.train.steps
     cache = hub_cache_dir(sub.recipe, sub.run.path)

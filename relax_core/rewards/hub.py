@@ -5,7 +5,7 @@
                 `genrm` with a `judge`: the judge engines Relax started (genrm.py, judge_service.py)
         call:   async reward  -> awaited on the event loop, with the time limit
                 cheap reward  -> in-process (registered with in_process=True)
-                other sync    -> WorkerPool (pool.py): a worker process, killed past the limit
+                other sync    -> WorkerPool (cluster/worker_pool.py): a worker process, killed past the limit
         select: a float, or the dict entry named by reward.key (default "score")
         --> one RewardResult per response (score 0 on error/timeout) + step stats
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from statistics import fmean
 from typing import Any
 
+from relax_core.cluster.worker_pool import Outcome, WorkerPool, default_workers
 from relax_core.errors import UserError
 from relax_core.rewards import registry
 from relax_core.rewards.failures import FailureWindow, describe_error
 from relax_core.rewards.genrm import Judge, JudgeEndpoints, as_reward
-from relax_core.rewards.pool import Outcome, WorkerPool, default_workers
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class RewardHub:
 
     def _get_pool(self) -> WorkerPool:
         if self._pool is None:
-            self._pool = WorkerPool(self.num_workers, self.plugin_dirs)
+            self._pool = WorkerPool(self.num_workers, self.plugin_dirs, module="relax_core.rewards.worker")
         return self._pool
 
     def _failed(self, name: str, outcome: Outcome) -> RewardResult:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from relax_core.cluster.node import JUDGE_RESOURCE
+from relax_core.cluster.placement import JUDGE_RESOURCE
 from relax_core.rewards.genrm import JudgeEndpoints
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class JudgeService:
         return service
 
     def _spawn(self, index: int, model: str, log_path: str, threads: int, cpus: list[int] | None, recipe) -> None:
-        from relax_core.controller.workers import EngineWorker
         from relax_core.rollout.engine_command import judge_engines
+        from relax_core.rollout.engine_worker import EngineWorker
 
         actor = self._ray.remote(num_cpus=0, resources={JUDGE_RESOURCE: 1})(EngineWorker).remote(
             index, judge_engines(recipe, model, threads), log_path, self.api_key, cpus)

@@ -1,4 +1,5 @@
-"""Entry point of one reward worker process (started by pool.py): `python -m relax_core.rewards.worker [PLUGIN_DIR...]`.
+"""Entry point of one reward worker process (started by the hub through cluster/worker_pool.py):
+`python -m relax_core.rewards.worker [PLUGIN_DIR...]`.
 
 Loads the built-in rewards, math-verify and the plugin folders, replies
 ("ready", None), then answers pickled `(name, module, args)` requests on
@@ -8,9 +9,14 @@ closes. Anything a reward prints goes to stderr, so it cannot corrupt replies.
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import sys
+from typing import Any
+
+from relax_core.cluster.worker_pool import send
+from relax_core.rewards.failures import describe_error
 
 
 def main(plugin_dirs: list[str]) -> None:
@@ -18,21 +24,29 @@ def main(plugin_dirs: list[str]) -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # prints from rewards land on stderr
     requests = sys.stdin.buffer
     from relax_core.rewards import registry
-    from relax_core.rewards.pool import _call
 
     try:
         registry.load_all(plugin_dirs)
         _warm()
     except Exception as exc:  # reported by the parent on every call
-        _send(replies, ("broken", f"{type(exc).__name__}: {exc}"))
+        send(replies, ("broken", f"{type(exc).__name__}: {exc}"))
         return
-    _send(replies, ("ready", None))
+    send(replies, ("ready", None))
     while True:
         try:
             name, module, args = pickle.load(requests)
         except EOFError:
             return
-        _send(replies, _call(registry, name, module, args))
+        send(replies, _call(registry, name, module, args))
+
+
+def _call(registry, name: str, module: str, args: tuple) -> tuple[str, Any]:
+    try:
+        if name not in registry._REWARDS and module:
+            importlib.import_module(module)  # a reward registered in an ordinary importable module
+        return "ok", registry.get_reward(name)(*args)
+    except Exception as exc:
+        return "error", describe_error(exc)
 
 
 def _warm() -> None:
@@ -41,15 +55,6 @@ def _warm() -> None:
         import math_verify  # noqa: F401
     except ImportError:  # only the math rewards need it; they say so when called
         pass
-
-
-def _send(stream, message) -> None:
-    try:
-        data = pickle.dumps(message)  # whole, so a failure cannot leave half a reply in the pipe
-    except Exception as exc:  # an unpicklable return value
-        data = pickle.dumps(("error", f"reward returned an unpicklable value: {exc}"))
-    stream.write(data)
-    stream.flush()
 
 
 if __name__ == "__main__":

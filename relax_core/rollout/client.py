@@ -310,7 +310,7 @@ class EngineClient:
         weight_version: str | None = None,
         abort_all_requests: bool = False,
     ) -> dict[str, Any]:
-        """Load tensors handed over by reference (relax_core/weights/ipc.py), one payload per TP rank."""
+        """Load tensors handed over by reference (relax_core/rollout/weight_wire.py), one payload per TP rank."""
         body: dict[str, Any] = {
             "serialized_named_tensors": serialized_named_tensors,
             "load_format": load_format,

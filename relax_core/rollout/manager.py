@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_core.data.prompts import encode_prompt
+from relax_core.data.sample import Sample
 from relax_core.rewards.hub import RewardHub, RewardItem, empty_stats
 from relax_core.rollout.client import (
     EngineClient,
@@ -44,7 +45,6 @@ from relax_core.rollout.client import (
 )
 from relax_core.rollout.prompt_prep import MediaPrompts, Prompt, Skipped
 from relax_core.rollout.turn_batch import TurnBatcher
-from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
 

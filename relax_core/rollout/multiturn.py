@@ -24,11 +24,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from relax_core.data.sample import Sample
 from relax_core.rollout.chat_turns import ChatTurns
 from relax_core.rollout.client import GenerateOutput, GenerationAborted
 from relax_core.rollout.envs import as_messages, call, environment_factory
 from relax_core.rollout.prompt_prep import Skipped
-from relax_core.rollout.types import Sample
 
 log = logging.getLogger(__name__)
 

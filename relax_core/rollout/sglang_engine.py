@@ -1,7 +1,7 @@
 """SGLang engines: the command line of one `sglang.launch_server` and the check of `rollout.engine_args`.
 
 An engine of `rollout.engine: sglang` is SGLang's own HTTP server on the GPUs
-Ray gave its actor (controller/workers.py starts it, with the command line
+Ray gave its actor (rollout/engine_worker.py starts it, with the command line
 rollout/engine_command.py builds from `server_command`). Relax sets the flags
 it owns (model, host, port, TP size, seed, request limit, weight version,
 remote code, deterministic inference from `rollout.deterministic`) and appends

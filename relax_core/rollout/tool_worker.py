@@ -1,4 +1,4 @@
-"""Entry point of one tool worker process (started by tools.py through rewards/pool.py's `WorkerPool`):
+"""Entry point of one tool worker process (started by tools.py through cluster/worker_pool.py's `WorkerPool`):
 `python -m relax_core.rollout.tool_worker TOOLS_FILE`.
 
 Imports the tools file, replies ("ready", None), then answers pickled `(tool name, "", (arguments,))`
@@ -17,15 +17,15 @@ import sys
 def main(tools_file: str) -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    from relax_core.rewards.worker import _send
+    from relax_core.cluster.worker_pool import send
     from relax_core.rollout.tools import load_tools
 
     try:
         tools = load_tools(tools_file)
     except Exception as exc:
-        _send(replies, ("broken", f"{type(exc).__name__}: {exc}"))
+        send(replies, ("broken", f"{type(exc).__name__}: {exc}"))
         return
-    _send(replies, ("ready", None))
+    send(replies, ("ready", None))
     while True:
         try:
             name, _, (arguments,) = pickle.load(sys.stdin.buffer)
@@ -36,7 +36,7 @@ def main(tools_file: str) -> None:
             reply = ("ok", result if isinstance(result, str) else json.dumps(result, default=str))
         except Exception as exc:
             reply = ("error", f"{type(exc).__name__}: {exc}")
-        _send(replies, reply)
+        send(replies, reply)
 
 
 if __name__ == "__main__":

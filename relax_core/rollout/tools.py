@@ -99,7 +99,7 @@ def parse_calls(text: str) -> list[dict[str, Any] | str]:
 
 
 def _pool(path: str, workers: int):
-    from relax_core.rewards.pool import WorkerPool
+    from relax_core.cluster.worker_pool import WorkerPool
 
     with _LOCK:
         key = (path, workers)

@@ -28,8 +28,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from relax_core.data.sample import Sample
 from relax_core.models.multimodal import pad_token_id
-from relax_core.rollout.types import Sample
 
 REFERENCE_COLUMN, ADVANTAGE_COLUMN = "ref_logprobs", "advantages"
 
@@ -56,7 +56,7 @@ class _FieldWorker:
         self.rows = 0  # processed so far (tests and logs)
 
     def node_id(self) -> str:
-        from relax_core.services.placement import node_id
+        from relax_core.cluster.actors import node_id
 
         return node_id()
 

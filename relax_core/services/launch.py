@@ -44,7 +44,7 @@ class ServiceSet:
 
     @classmethod
     def start(cls, ray, recipe, *, model_dir: str, api_key: str, trainer0, engine0, cpu_sets: dict) -> ServiceSet:
-        from relax_core.cluster.node import REFERENCE_RESOURCE
+        from relax_core.cluster.placement import REFERENCE_RESOURCE
         from relax_core.models.model_dir import trust_remote_code
         from relax_core.services.fields import AdvantageWorker, ReferenceWorker
         from relax_core.services.placement import beside, on_group

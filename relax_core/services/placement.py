@@ -27,9 +27,3 @@ def on_group(resource: str, gpus: int = 0) -> dict[str, Any]:
     node's GPUs (which Ray then names in the actor's CUDA_VISIBLE_DEVICES)."""
     return {"num_cpus": 0, "num_gpus": gpus, "resources": {resource: 1}}
 
-
-def node_id() -> str:
-    """The Ray node this process runs on (actors expose it so others can be placed beside them)."""
-    import ray
-
-    return ray.get_runtime_context().get_node_id()

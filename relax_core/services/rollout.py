@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_core.controller.preemption import Preempted
+from relax_core.rollout.sampling_rounds import Preempted
 
 log = logging.getLogger(__name__)
 WAIT_S = 0.1  # how often a waiting thread looks at halt
@@ -112,7 +112,7 @@ class RolloutService:
         return [EngineClient(url, api_key=self.api_key) for url in urls]
 
     def node_id(self) -> str:
-        from relax_core.services.placement import node_id
+        from relax_core.cluster.actors import node_id
 
         return node_id()
 
@@ -246,7 +246,7 @@ class RolloutService:
                 self._cond.notify_all()
 
     def _produce(self, step: int) -> bool:
-        from relax_core.controller.sampling_rounds import rollout_step
+        from relax_core.rollout.sampling_rounds import rollout_step
 
         idle_s = self._safe_point(step - 1 - self.recipe.rollout.max_staleness)
         if self._halt.is_set():

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 T = TypeVar("T")
 

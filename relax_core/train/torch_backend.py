@@ -43,8 +43,8 @@ import torch.distributed as dist
 from relax_core.algorithms import registry
 from relax_core.algorithms.losses import tis_weight
 from relax_core.config.algorithm_specs import get_spec
+from relax_core.data.sample import Sample
 from relax_core.models.multimodal import pad_token_id
-from relax_core.rollout.types import Sample
 from relax_core.train import sharding
 from relax_core.train.batching import (
     MicroBatch,

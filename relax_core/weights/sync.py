@@ -3,7 +3,7 @@
 After a training step, the trainer's rank 0 holds the new weights under their
 Hugging Face names (the Megatron backend gathers and converts them first). A
 `WeightBroadcaster` pushes them to all engines over a torch.distributed group
-(`process_group.py`; gloo on CPU, NCCL on GPU) in which it is rank 0 and the
+(`rollout/weight_group.py`; gloo on CPU, NCCL on GPU) in which it is rank 0 and the
 engines are ranks 1..N, using SGLang's protocol:
 
     POST /begin_weight_update to every engine (SGLang's weight-update session)
@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from relax_core.cluster.ports import listening_socket
 from relax_core.rollout.client import EngineClient
-from relax_core.weights.process_group import (
+from relax_core.rollout.weight_group import (
     DEFAULT_TIMEOUT,
     abort_weight_update_group,
     destroy_weight_update_group,

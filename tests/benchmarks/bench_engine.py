@@ -168,7 +168,7 @@ def raw_sync(model, repeats: int) -> dict:
     """Rank 0 here, rank 1 a bare receiver process; same tensors, no HTTP, no buckets."""
     import torch.distributed as dist
 
-    from relax_core.weights.process_group import destroy_weight_update_group, init_weight_update_group
+    from relax_core.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
     tensors = [t.detach().contiguous() for t in model.state_dict().values()]
     shapes = json.dumps([[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in tensors])
@@ -192,7 +192,7 @@ def raw_receiver(port: int, repeats: int, shapes_json: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from relax_core.weights.process_group import destroy_weight_update_group, init_weight_update_group
+    from relax_core.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
     buffers = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in json.loads(shapes_json)]
     group = init_weight_update_group(HOST, port, 1, 2, "raw_bench", "gloo")

@@ -124,7 +124,7 @@ def make_model(folder: Path, args) -> Path:
 def samples_of(total: int, args, seed: int):
     import random
 
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
 
     rng = random.Random(seed)
     each = [total // args.samples + (i < total % args.samples) for i in range(args.samples)]

@@ -52,7 +52,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integration")]
 HOST = "127.0.0.1"
 RECEIVER = """
 import sys, torch
-from relax_core.weights.process_group import init_weight_update_group
+from relax_core.rollout.weight_group import init_weight_update_group
 port, shapes = int(sys.argv[1]), eval(sys.argv[2])
 group = init_weight_update_group("127.0.0.1", port, 1, 2, "raw", "gloo")
 buffers = [torch.empty(s) for s in shapes]
@@ -169,7 +169,7 @@ def _raw_times(named: list, repeat: int) -> list[float]:
     import torch.distributed as dist
 
     from relax_core.cluster.ports import listening_socket
-    from relax_core.weights.process_group import destroy_weight_update_group, init_weight_update_group
+    from relax_core.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
     sock = listening_socket(HOST, 0)
     port = sock.getsockname()[1]

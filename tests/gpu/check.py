@@ -124,7 +124,7 @@ def samples(lengths: dict, vocab: int, seed: int = 0):
     """One group of `samples` rows of random tokens with different rewards; engine log-probs a little off."""
     import torch
 
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -304,7 +304,7 @@ def parity_samples():
     """A fixed GRPO batch: 8 rows in 2 groups of 4, a reward in each group (so the advantages are not 0)."""
     import random
 
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
 
     rng = random.Random(0)
     out = []
@@ -428,7 +428,7 @@ def part_checkpoint(ctx: dict) -> dict:
 def _ipc_open(payload: str, expected: list[float], out: str) -> None:
     import torch
 
-    from relax_core.weights.ipc import deserialize_named_tensors
+    from relax_core.rollout.weight_wire import deserialize_named_tensors
 
     start = time.perf_counter()
     named = deserialize_named_tensors(payload)
@@ -446,7 +446,7 @@ def part_ipc(ctx: dict) -> dict:
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
-    from relax_core.weights.ipc import serialize_named_tensors
+    from relax_core.rollout.weight_wire import serialize_named_tensors
 
     device, checks = ctx["device"], Checks()
     named = [(k, v.to(device)) for k, v in load_file(ctx["model_dir"] / "model.safetensors").items()]
@@ -500,7 +500,7 @@ def part_weights(ctx: dict) -> dict:
     from safetensors.torch import load_file
 
     from relax_core.cluster.ports import listening_socket
-    from relax_core.weights.process_group import destroy_weight_update_group, init_weight_update_group
+    from relax_core.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
     device, checks, result = ctx["device"], Checks(), {}
     named = [(k, v.to(device)) for k, v in load_file(ctx["model_dir"] / "model.safetensors").items()]

@@ -36,7 +36,7 @@ HOST = "127.0.0.1"
 
 def samples(n: int = 8, vocab: int = 19, seed: int = 0):
     """Rows with prompts and responses of different lengths, two GRPO groups of 4 with mixed rewards."""
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
 
     rng = random.Random(seed)
     out = []
@@ -230,7 +230,7 @@ def role_sync(rank: int, world: int, args: dict) -> None:
 
     holder = [None if result is None else result[1].output_ids]
     dist.broadcast_object_list(holder, src=0)
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
 
     output = holder[0]
     row = Sample(prompt_ids=prompt, response_ids=output, rollout_logprobs=[0.0] * len(output),

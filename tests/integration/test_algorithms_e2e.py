@@ -19,9 +19,9 @@ from test_learning import ALPHABET, LENGTH, PROMPTS, rollout
 
 from relax_core.config.algorithm_specs import algorithm_names
 from relax_core.config.loader import load_recipe
-from relax_core.controller.sampling_rounds import collect_batch
 from relax_core.data.synthetic import SyntheticTask
 from relax_core.rewards.registry import get_reward
+from relax_core.rollout.sampling_rounds import collect_batch
 from relax_core.train.settings import trainer_config
 from relax_core.train.torch_backend import TorchTrainer
 

@@ -9,7 +9,7 @@ other's rows. Expected values are built here, field by field.
 import pytest
 
 from relax_core.data.bus import SampleBus
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 SHORT = 0.5  # seconds a take waits when the test expects it to time out
 

@@ -143,7 +143,7 @@ async def _status(call) -> int:
 
 
 async def _handover(client: EngineClient, model, version: int) -> None:
-    from relax_core.weights.ipc import serialize_named_tensors
+    from relax_core.rollout.weight_wire import serialize_named_tensors
 
     named = [(n, p.detach()) for n, p in model.named_parameters()][:2]
     await client.update_weights_from_tensor(serialize_named_tensors(named), weight_version=str(version))

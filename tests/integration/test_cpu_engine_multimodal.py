@@ -185,7 +185,7 @@ def test_bad_media_and_placeholder_mismatch_get_400_and_the_engine_keeps_serving
 
 
 def test_a_vision_tower_weight_update_changes_the_output(vl):
-    from relax_core.weights.ipc import serialize_named_tensors
+    from relax_core.rollout.weight_wire import serialize_named_tensors
 
     text, ids = vl.prompt(n_images=1)
     uri = image(9)

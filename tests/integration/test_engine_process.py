@@ -1,4 +1,4 @@
-"""How an engine server is started, waited for and stopped (controller/engine_process.py), with real processes.
+"""How an engine server is started, waited for and stopped (rollout/engine_process.py), with real processes.
 
 SGLang's server needs a GPU, so `EngineWorker` is pointed at a small script
 through its `python` argument: the script receives exactly the command line
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from engine_fixtures import tiny_model_dir  # noqa: F401
 
-from relax_core.controller.engine_process import EngineStartError
-from relax_core.controller.workers import EngineWorker
 from relax_core.rollout.engine_command import EngineSettings, engine_command
+from relax_core.rollout.engine_process import EngineStartError
+from relax_core.rollout.engine_worker import EngineWorker
 from relax_core.rollout.sglang_engine import server_command
 
 SGLANG = EngineSettings("sglang", "/models/qwen", seed=5, max_running_requests=32, tp_size=2,

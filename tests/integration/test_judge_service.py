@@ -24,7 +24,7 @@ import pytest
 import yaml
 from model_dirs import custom_code_model, echo_judge_model
 
-from relax_core.cluster.node import JUDGE_RESOURCE
+from relax_core.cluster.placement import JUDGE_RESOURCE
 from relax_core.config import load_recipe
 from relax_core.rewards.genrm import JudgeEndpoints
 from relax_core.rewards.hub import RewardHub, RewardItem

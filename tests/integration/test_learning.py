@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
+from relax_core.data.sample import Sample
 from relax_core.data.synthetic import SyntheticTask
 from relax_core.rewards.registry import get_reward
-from relax_core.rollout.types import Sample
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.torch_backend import TorchTrainer
 

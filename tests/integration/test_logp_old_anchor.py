@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.torch_backend import TorchTrainer
 

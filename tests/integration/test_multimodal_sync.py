@@ -54,7 +54,7 @@ def rollout(url: str, model_dir, rows: list[dict], step: int) -> list:
 
 
 def send_weights(url: str, named: list) -> None:
-    from relax_core.weights.ipc import serialize_named_tensors
+    from relax_core.rollout.weight_wire import serialize_named_tensors
 
     assert httpx.post(f"{url}/begin_weight_update", json={}, timeout=30).json()["success"]
     answer = httpx.post(f"{url}/update_weights_from_tensor", timeout=120,

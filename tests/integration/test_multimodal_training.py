@@ -17,8 +17,8 @@ import torch
 from gloo_exit import leave_group
 from PIL import Image
 
+from relax_core.data.sample import Sample
 from relax_core.models import multimodal as mm
-from relax_core.rollout.types import Sample
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.torch_backend import TorchTrainer
 

@@ -22,12 +22,12 @@ from engine_fixtures import ENGINE_API_KEY
 from relax_core.config.data import FileData
 from relax_core.config.loader import load_recipe
 from relax_core.data.prompts import build_prompt_source
+from relax_core.data.sample import Sample
 from relax_core.rewards.failures import RewardFailureError
 from relax_core.rewards.hub import RewardHub, RewardItem
 from relax_core.rewards.registry import RewardPluginError, list_rewards
 from relax_core.rollout.client import EngineClient
 from relax_core.rollout.manager import RolloutManager, SamplingConfig
-from relax_core.rollout.types import Sample
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 LENGTHS = [(3, 5), (1, 1), (6, 2), (2, 7), (4, 0), (5, 3), (2, 4)]  # (prompt, response) tokens; one empty response
 
@@ -124,7 +124,7 @@ def test_reference_workers_the_cluster_has_no_room_for_are_refused_at_once(local
     slot (the session's cluster has one reference slot and no GPU)."""
     import ray
 
-    from relax_core.cluster.node import REFERENCE_RESOURCE
+    from relax_core.cluster.placement import REFERENCE_RESOURCE
     from relax_core.services.launch import check_capacity
 
     check_capacity(ray, REFERENCE_RESOURCE, 1, 0, "cluster.reference")  # room for one CPU worker

@@ -1,8 +1,9 @@
 """Weights handed over by reference, against SGLang's own serializer (`/update_weights_from_tensor`).
 
 What a user relies on: in colocate on shared GPUs the trainer hands its tensors to SGLang by
-reference (relax_core/weights/ipc.py), and SGLang decodes them with its own code; the CPU engine,
-which stands in for SGLang here and cannot import it, decodes what SGLang's serializer writes.
+reference (relax_core/weights/ipc.py, in the wire format of relax_core/rollout/weight_wire.py), and
+SGLang decodes them with its own code; the CPU engine, which stands in for SGLang here and cannot
+import it, decodes what SGLang's serializer writes.
 A child process (this file as a script) imports SGLang's functions (tests/sglang_real.py) and:
 
 - decodes Relax's payloads the way an SGLang engine does (sglang 0.5.23: the tokenizer manager's
@@ -32,6 +33,7 @@ import pytest
 import torch
 from engine_fixtures import REPO_ROOT, subprocess_env
 
+from relax_core.rollout import weight_wire
 from relax_core.weights import ipc
 
 TP = 2  # payloads per engine: one per TP rank
@@ -66,7 +68,7 @@ def exchange():
     """One conversation with the SGLang child: Relax's payloads decoded there, SGLang's decoded here."""
     staging = ipc.SharedStaging()
     staged = staging.stage(some_tensors(1))  # as TensorHandover stages a bucket; referenced until the child is done
-    payloads = ipc.serialize_named_tensors(staged, ranks=TP)
+    payloads = weight_wire.serialize_named_tensors(staged, ranks=TP)
     child = subprocess.Popen([sys.executable, __file__, "sglang"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=_child_env())
     try:
@@ -78,7 +80,7 @@ def exchange():
         ours = {}
         for strategy, payload in answer["sglang_payloads"].items():  # decoded while the child holds the tensors
             try:
-                ours[strategy] = ipc.deserialize_named_tensors(payload)
+                ours[strategy] = weight_wire.deserialize_named_tensors(payload)
             except Exception as exc:  # noqa: BLE001 - the test reads it
                 ours[strategy] = exc
         child.stdin.write("done\n")
@@ -125,10 +127,10 @@ def test_cuda_payloads_reach_a_rebuild_that_takes_the_devices_uuid(exchange):
     assert answer["torch_name_resolves_to"] == ["sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"]
     # verl and slime pickle SGLang's name (the patch applied in the trainer): the CPU engine maps it to its own.
     module, name = answer["patched_rebuild_pickled_as"]
-    assert ipc._TensorUnpickler(io.BytesIO(b"")).find_class(module, name) is ipc._rebuild_cuda_tensor
+    assert weight_wire._TensorUnpickler(io.BytesIO(b"")).find_class(module, name) is weight_wire._rebuild_cuda_tensor
     # Both rewrite the same argument of torch's rebuild_cuda_tensor: the device.
-    assert answer["device_arg"] == ipc._DEVICE_ARG
-    assert answer["rebuild_cuda_tensor_params"][ipc._DEVICE_ARG] == "storage_device"
+    assert answer["device_arg"] == weight_wire._DEVICE_ARG
+    assert answer["rebuild_cuda_tensor_params"][weight_wire._DEVICE_ARG] == "storage_device"
 
 
 # ---------------------------------------------------------------------------
@@ -172,7 +174,7 @@ def sglang_main() -> None:
     staged = ipc.SharedStaging().stage(some_tensors(3))
     try:
         answer["patched_roundtrip"] = as_json(sglang.MultiprocessingSerializer.deserialize(
-            ipc.serialize_named_tensors(staged)[0]))
+            weight_wire.serialize_named_tensors(staged)[0]))
     except Exception as exc:  # noqa: BLE001 - the test reads it
         answer["patched_roundtrip"] = repr(exc)
 

@@ -33,7 +33,7 @@ from engine_fixtures import HOST, REPO_ROOT, EngineServer, free_port, subprocess
 from transformers import AutoModelForCausalLM
 
 from relax_core.rollout.client import EngineClient, parse_generate_output
-from relax_core.weights.process_group import destroy_weight_update_group
+from relax_core.rollout.weight_group import destroy_weight_update_group
 from relax_core.weights.sync import WeightBroadcaster, WeightSyncError
 
 API_KEY = "sglang-group-key"
@@ -232,7 +232,7 @@ def test_the_pinned_copy_of_sglangs_group_function_joins_the_same_group_as_sglan
     import json
 
     from relax_core.cluster.ports import listening_socket
-    from relax_core.weights.process_group import init_weight_update_group
+    from relax_core.rollout.weight_group import init_weight_update_group
 
     sock = listening_socket(HOST, 0)
     port = sock.getsockname()[1]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from gloo_exit import leave_group
 
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 from relax_core.train.batching import shard
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.optim import lr_lambda

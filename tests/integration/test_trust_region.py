@@ -31,7 +31,7 @@ from gloo_exit import leave_group
 
 from relax_core.config import RecipeError, load_recipe
 from relax_core.config.schema import Recipe
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 from relax_core.train.batching import shard
 from relax_core.train.settings import trainer_config
 from relax_core.train.torch_backend import TorchTrainer

@@ -206,7 +206,7 @@ def peer_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from relax_core.weights.process_group import destroy_weight_update_group, init_weight_update_group
+    from relax_core.rollout.weight_group import destroy_weight_update_group, init_weight_update_group
 
     _init_default_group(0, 1, args.dist_port)
     received = []

@@ -24,8 +24,8 @@ from relax_core.algorithms.registry import register_estimator
 from relax_core.config import algorithm_specs as specs
 from relax_core.config.algorithm_specs import AlgorithmSpec, register_algorithm
 from relax_core.config.loader import load_recipe
+from relax_core.data.sample import Sample
 from relax_core.errors import RecipeError
-from relax_core.rollout.types import Sample
 
 QUICKSTART = "recipes/quickstart.yaml"
 REWARDS = [1.0, 0.0, 0.5, 1.0, 0.0, 0.0]

@@ -430,7 +430,7 @@ def test_a_spec_that_contradicts_itself_is_refused():
 @pytest.mark.parametrize("name", sorted(BUILT_IN - {"ppo"}))
 def test_fully_async_computes_outcome_only_advantages_on_the_rollout_side(name):
     from relax_core.config.loader import load_recipe
-    from relax_core.rollout.types import Sample
+    from relax_core.data.sample import Sample
     from relax_core.services.launch import advantage_stage
 
     extra = [f"algorithm.teacher.path={'teacher-model'}"] if name == "opd" else []

@@ -9,7 +9,7 @@ import torch
 
 from relax_core.algorithms.aggregation import token_mean
 from relax_core.algorithms.losses import ppo_clip
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 from relax_core.train.batching import chunks, pack, response_logprobs, shard
 
 PAD = 0

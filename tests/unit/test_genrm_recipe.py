@@ -21,8 +21,8 @@ import pytest
 import yaml
 from model_dirs import custom_code_model
 
-from relax_core.cluster.node import JUDGE_RESOURCE, ROLLOUT_RESOURCE, node_resources
-from relax_core.cluster.placement import local_slots
+from relax_core.cluster.node import node_resources
+from relax_core.cluster.placement import JUDGE_RESOURCE, ROLLOUT_RESOURCE, local_slots
 from relax_core.config import RecipeError, load_recipe
 from relax_core.config.checks import reference_problems
 from relax_core.config.reward import DEFAULT_TEMPLATE

@@ -139,7 +139,7 @@ def test_in_a_container_the_steps_read_the_hub_cache_not_the_images_hf_home(tmp_
     over the image's own HF_HOME, and the cache is bound (tests/fake_apptainer.py applies both as
     Apptainer does)."""
     from relax_core.launch.container import step_prefix
-    from relax_core.launch.hub import hub_env
+    from relax_core.models.hub_cache import hub_env
 
     image = tmp_path / "relax.sif"
     image.write_text(json.dumps({"env": {"HF_HOME": "/opt/image/huggingface"}}))  # read-only in a real image

@@ -34,18 +34,9 @@ LAYERS = [
     ("recipes", "catalog", "doctor"),
 ]
 STILL_UPWARD = {
-    ("data/bus.py", "relax_core.rollout.types"),
-    ("entrypoints/slurm_job.py", "relax_core.launch.hub"),
     ("entrypoints/slurm_job.py", "relax_core.launch.scale_jobs"),
     ("entrypoints/slurm_steps.py", "relax_core.launch.container"),
-    ("rewards/judge_service.py", "relax_core.controller.workers"),
-    ("rollout/cpu_engine/server.py", "relax_core.weights.ipc"),
-    ("rollout/cpu_engine/server.py", "relax_core.weights.process_group"),
     ("rollout/manager.py", "relax_core.rewards.hub"),
-    ("rollout/tool_worker.py", "relax_core.rewards.worker"),
-    ("rollout/tools.py", "relax_core.rewards.pool"),
-    ("services/rollout.py", "relax_core.controller.preemption"),
-    ("services/rollout.py", "relax_core.controller.sampling_rounds"),
 }
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from relax_core.data.sample import Sample
 from relax_core.models.tiny import tiny_qwen3_config
-from relax_core.rollout.types import Sample
 from relax_core.train import loss_head
 from relax_core.train.batching import forward_logprobs, pack
 from relax_core.train.loss_head import FUSED, ChunkedLogprob

@@ -20,7 +20,7 @@ from sim_device import DEVICE, DeviceMismatch, SimDevice
 
 from relax_core.config.algorithm_specs import algorithm_names
 from relax_core.config.loader import load_recipe
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 from relax_core.train.settings import trainer_config
 from relax_core.train.torch_backend import TorchTrainer
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from test_job_script import GOLDEN, RUN, sbatch_components
 
-from relax_core.cluster.node import REFERENCE_RESOURCE, node_resource, node_resources, ray_start_command
-from relax_core.cluster.placement import local_cpu_sets, local_slots
+from relax_core.cluster.node import node_resources, ray_start_command
+from relax_core.cluster.placement import REFERENCE_RESOURCE, local_cpu_sets, local_slots, node_resource
 from relax_core.cluster.ports import block_ports
 from relax_core.config import load_recipe
 from relax_core.entrypoints.slurm_job import Allocation, JobSteps

@@ -1,12 +1,12 @@
-"""DAPO's rollout rounds (controller/sampling_rounds.py) on hand-made rounds of samples."""
+"""DAPO's rollout rounds (rollout/sampling_rounds.py) on hand-made rounds of samples."""
 
 from __future__ import annotations
 
 import pytest
 
 from relax_core.config.algorithms import DAPOConfig, GRPOConfig
-from relax_core.controller.sampling_rounds import collect_batch
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
+from relax_core.rollout.sampling_rounds import collect_batch
 
 
 def group(gid: int, rewards: list[float], length: int = 1) -> list[Sample]:

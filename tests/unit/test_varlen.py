@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3ForCausalLM
 
+from relax_core.data.sample import Sample
 from relax_core.models.tiny import tiny_qwen3_config
-from relax_core.rollout.types import Sample
 from relax_core.train.batching import forward_logprobs, pack
 from relax_core.train.varlen import NAME, use_varlen
 

@@ -269,7 +269,7 @@ class UpdateWeightsFromTensorReqInput(BaseModel):
     `serialized_named_tensors` holds one base64 payload per TP rank (this
     engine has one rank and reads entry 0), each a pickle of
     `[(name, tensor), ...]` whose tensors are handles to the sender's memory
-    (`relax_core.weights.ipc`).
+    (`relax_core.rollout.weight_wire`).
     """
 
     model_config = ConfigDict(extra="forbid")

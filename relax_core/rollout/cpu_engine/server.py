@@ -18,7 +18,7 @@ Pause semantics (SGLang's): while paused, new `/generate` requests wait until
 `/continue_generation`; in-flight ones are aborted (mode "abort", the
 default) or kept and resumed (modes "in_place" / "retract").
 
-Colocate on shared GPUs (`memory.py`, `relax_core.weights.ipc`):
+Colocate on shared GPUs (`memory.py`, `relax_core.rollout.weight_wire`):
 `/release_memory_occupation` and `/resume_memory_occupation` free and
 reallocate the weights and KV cache (`--enable-memory-saver`), and
 `/update_weights_from_tensor` loads tensors another process handed over by
@@ -271,7 +271,7 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(obj: DestroyWeightsUpdateGroupReqInput) -> Response:
-        from relax_core.weights.process_group import destroy_weight_update_group
+        from relax_core.rollout.weight_group import destroy_weight_update_group
 
         group = state.groups.pop(obj.group_name, None)
         if group is None:
@@ -305,7 +305,7 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
 async def _init_group(state: EngineState, obj: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
     import torch
 
-    from relax_core.weights.process_group import init_weight_update_group
+    from relax_core.rollout.weight_group import init_weight_update_group
 
     if obj.group_name in state.groups:
         return False, f"A weight update group named {obj.group_name!r} already exists; destroy it first."
@@ -377,7 +377,7 @@ def _add_tensor_routes(app: FastAPI, state: EngineState) -> None:
 
 async def _update_from_tensor(state: EngineState, obj: UpdateWeightsFromTensorReqInput) -> tuple[bool, str]:
     """Load this rank's payload (entry 0: one TP rank) on the scheduler thread; SGLang's checks and messages."""
-    from relax_core.weights.ipc import deserialize_named_tensors
+    from relax_core.rollout.weight_wire import deserialize_named_tensors
 
     if not state.update_session:
         return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"

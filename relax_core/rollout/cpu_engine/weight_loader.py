@@ -8,7 +8,7 @@ matching `torch.distributed.broadcast(src=0)` calls, exactly as SGLang's model
 runner does, and copies the tensors into the model. It runs on the scheduler
 thread (`Batcher.call`), so no forward pass sees half-updated weights.
 `WeightLoader.load` does the copying, also for tensors handed over by
-reference (`/update_weights_from_tensor`, `relax_core.weights.ipc`).
+reference (`/update_weights_from_tensor`, `relax_core.rollout.weight_wire`).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from relax_core.config.algorithm_specs import get_spec  # noqa: F401  (the spec is read in _init_algorithm)
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 from relax_core.train.batching import MicroBatch
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.megatron import compat

@@ -1,6 +1,6 @@
 """One engine server as a child process: started in a session of its own, waited for, stopped as a group.
 
-`EngineWorker` (controller/workers.py) starts every engine this way:
+`EngineWorker` (rollout/engine_worker.py) starts every engine this way:
 
 - the CPU engine is handed a socket that already listens on its port
   (`--fd`), so nobody can take the port between choosing and binding it;

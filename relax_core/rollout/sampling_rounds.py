@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relax_core.algorithms.dapo import dynamic_sampling_keep, penalty_for_length
-from relax_core.rollout.types import Sample
+from relax_core.data.sample import Sample
 
 
 @dataclass
@@ -97,6 +97,10 @@ def collect_batch(generate_round: Callable[[int], list[Sample]], algorithm, *, m
     return [s for group in kept for s in group], stats
 
 
+class Preempted(Exception):
+    """The step in progress was abandoned because the run was told to stop."""
+
+
 ROUND_KEY_STRIDE = 10_000_000  # > any step count, so (step, round) keys never collide
 
 
@@ -106,7 +110,6 @@ def rollout_step(step: int, recipe, prompts, manager, loop, stopping: Callable[[
     `stopping()` true: the run is stopping, so generation aborted by the engines (controller/preemption.py)
     or a round not yet started raise `Preempted`: the step's samples are dropped.
     """
-    from relax_core.controller.preemption import Preempted
     from relax_core.rollout.client import EngineError, GenerationAborted
 
     ro, algo = recipe.rollout, recipe.algorithm

@@ -1,24 +1,25 @@
-"""Worker processes that run sync rewards with a per-call time limit.
+"""Worker processes that run calls with a per-call time limit: the reward hub's sync rewards
+(rewards/worker.py) and the agentic tools (rollout/tool_worker.py).
 
 A `concurrent.futures.ProcessPoolExecutor` cannot stop a call that hangs
 (sympy on an adversarial expression can run for hours), so each worker here
-is one process behind a pipe: the parent sends `(reward name, response,
-label, metadata)`, waits at most the time limit, and on a timeout kills that
-worker and starts a fresh one; the other workers carry on. The parent side
-is blocking and runs on a thread per worker, so the asyncio caller awaits
-`WorkerPool.call` without blocking its event loop.
+is one process behind a pipe: the parent sends `(name, module, args)`, waits
+at most the time limit, and on a timeout kills that worker and starts a fresh
+one; the other workers carry on. The parent side is blocking and runs on a
+thread per worker, so the asyncio caller awaits `WorkerPool.call` without
+blocking its event loop. A worker answers with `send` (its side of the pipe).
 
-Workers are fresh interpreters (`python -m relax_core.rewards.worker`), not
-forks: the controller holds Ray and torch threads whose locks a forked child
-could inherit held, and `spawn`/`forkserver` would re-import the caller's
-main script. They look rewards up by name, with the same plugin folders as
-the parent, so plugin functions never need to be pickled.
+Workers are fresh interpreters (`python -m MODULE ARGS...`), not forks: the
+controller holds Ray and torch threads whose locks a forked child could
+inherit held, and `spawn`/`forkserver` would re-import the caller's main
+script. They look what they call up by name (rewards with the same plugin
+folders as the parent, tools in the tools file), so functions never need to
+be pickled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 import pickle
@@ -33,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from relax_core.cluster.lifetime import Child
-from relax_core.rewards.failures import describe_error
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +49,11 @@ class Outcome:
     error: str | None = None
 
 
-def _call(registry, name: str, module: str, args: tuple) -> tuple[str, Any]:
-    try:
-        if name not in registry._REWARDS and module:
-            importlib.import_module(module)  # a reward registered in an ordinary importable module
-        return "ok", registry.get_reward(name)(*args)
-    except Exception as exc:
-        return "error", describe_error(exc)
-
-
 class _Worker:
     """One `python -m MODULE ARGS...` process (`relax_core.rewards.worker` and the plug-in folders, or
     `relax_core.rollout.tool_worker` and a tools file), spoken to with pickles over its stdin/stdout."""
 
-    def __init__(self, args: list[str], module: str = "relax_core.rewards.worker"):
+    def __init__(self, args: list[str], module: str):
         self.process = Child([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              env=_worker_env())
         self.broken: str | None = None
@@ -120,7 +111,7 @@ class WorkerPool:
     """`size` worker processes; `await pool.call(...)` runs one call (a reward's, a tool's) in one of them."""
 
     def __init__(self, size: int, plugin_dirs: list[str] | tuple[str, ...] = (),
-                 module: str = "relax_core.rewards.worker"):
+                 *, module: str):
         """`module`: the workers' entry point, given `plugin_dirs` as its arguments (rewards/worker.py's
         protocol: "ready" first, then one pickled reply per pickled `(name, module, args)`)."""
         self.size, self.plugin_dirs, self.module = size, [str(d) for d in plugin_dirs], module
@@ -189,3 +180,13 @@ def default_workers() -> int:
     except AttributeError:
         cpus = os.cpu_count() or 1
     return max(1, min(16, cpus))
+
+
+def send(stream, message) -> None:
+    """A worker's reply to its parent: `message` pickled whole onto `stream` (the worker's stdout)."""
+    try:
+        data = pickle.dumps(message)  # whole, so a failure cannot leave half a reply in the pipe
+    except Exception as exc:  # an unpicklable return value
+        data = pickle.dumps(("error", f"reward returned an unpicklable value: {exc}"))
+    stream.write(data)
+    stream.flush()
