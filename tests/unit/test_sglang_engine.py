@@ -23,8 +23,7 @@ import pytest
 from relax_runs import relax
 
 from relax_core.config import load_recipe
-from relax_core.controller import engine_process, workers
-from relax_core.rollout import sglang_engine, sglang_source
+from relax_core.rollout import engine_process, engine_worker, sglang_engine, sglang_source
 from relax_core.rollout.engine_command import EngineSettings, rollout_engines
 from relax_core.rollout.sglang_engine import RESERVED, engine_args_problems, server_command
 from relax_core.rollout.sglang_server_args import SERVER_ARGS, SGLANG_VERSION
@@ -55,8 +54,8 @@ def started_argv(monkeypatch, settings: EngineSettings, index: int) -> list[str]
             pass
 
     monkeypatch.setattr(engine_process, "EngineProcess", Recorded)
-    monkeypatch.setattr(workers, "node_ip", lambda: "HOST")
-    workers.EngineWorker(index, settings, "engine.log", "s3cret", python="PYTHON")
+    monkeypatch.setattr(engine_worker, "node_ip", lambda: "HOST")
+    engine_worker.EngineWorker(index, settings, "engine.log", "s3cret", python="PYTHON")
     return started[0]
 
 
