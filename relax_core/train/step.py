@@ -35,7 +35,7 @@ the batch was split (see algorithms/aggregation.py).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,26 +80,12 @@ class Mini:
 class PolicyTrainer:
     """A trainer's step, data-parallel over a torch.distributed group; a backend subclasses it.
 
-    What a backend provides. In its `__init__`, after `PolicyTrainer.__init__(config)`: `model` (the
+    What a backend provides: in its `__init__`, after `PolicyTrainer.__init__(config)`, `model` (the
     policy; the trainer worker reads its parameters), `ref_model` (when `_loads_reference`), `teacher`,
     `critic` (left None when there are none), `optimizer`, `scheduler` (`get_last_lr`, `step`), `group`
-    (the data-parallel group; None: the default one) and `pad_id`. Then these methods:
-
-    - `sharded` (property): every rank runs as many passes as the busiest (`_passes`, `Mini.passes`);
-    - `_prepare(samples, ref_rows, passes) -> list[Micro]`: pack one mini-batch and run its no-grad
-      forwards (logp_old when `_recomputes_logp_old`, the reference's unless `ref_rows` gives them, the
-      teacher's, the critic's values) with the weights the step starts from;
-    - `_update(mini) -> (sums, extremes, grad_norm)`: one policy optimizer step: forward and backward
-      of each micro-batch, its loss from `loss_from`, gradients summed over the ranks, clipped, stepped;
-      the `SUMS` (step_metrics.py) all-reduced, this rank's ratio extremes;
-    - `_critic_update(mini) -> sums`: one critic optimizer step, its sums `[loss, clipped, tokens]`;
-    - `_policy_logprobs(batches, passes) -> list[[B, R] tensors]`: no-grad log-probs of the current policy;
-    - `_offload(store, parts)`: `offload`'s tensors into `store` (a `StorageOffload`);
-    - `named_parameters_for_sync()`: (HF name, whole tensor) of every weight, as the engines load them;
-    - `state_dict()`, `load_state_dict(state)`: the checkpoint's state.
-
-    It may override `distributed` (megatron-core always has a group) and `_pool` (the rows a rank trains
-    on besides its own: Megatron's model-parallel group trains on the rows of all its ranks).
+    (the data-parallel group; None: the default one) and `pad_id`; then the methods of "the backend's
+    part" below. It may override `distributed` (megatron-core always has a group) and `_pool` (the rows
+    a rank trains on besides its own: Megatron's model-parallel group trains on the rows of all its ranks).
     """
 
     def __init__(self, config: TorchTrainerConfig) -> None:
@@ -128,6 +114,47 @@ class PolicyTrainer:
                                              **cfg.selection_kwargs)
         self._agg = registry.get_loss_aggregator(cfg.loss_agg or spec.loss_agg)
         self._kl_fn = registry.get_kl_estimator(cfg.kl_estimator)
+
+    # ------------------------------------------------------ the backend's part
+    @property
+    def sharded(self) -> bool:
+        """Every rank runs as many passes as the busiest (`_passes`, `Mini.passes`): its collectives."""
+        raise NotImplementedError
+
+    def _prepare(self, samples: Sequence[Sample], ref_rows: Sequence[Sequence[float]] | None = None,
+                 passes: int = 0) -> list[Micro]:
+        """Pack one mini-batch and run its no-grad forwards with the weights the step starts from: logp_old
+        when `_recomputes_logp_old`, the reference's unless `ref_rows` (`_given_rows`) has them, the
+        teacher's, the critic's values; sharded, idle passes up to `passes`."""
+        raise NotImplementedError
+
+    def _update(self, mini: Mini) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]:
+        """One policy optimizer step: forward and backward of each micro-batch (its loss from `loss_from`),
+        the gradients summed over the ranks, clipped, stepped. Returns the `SUMS` (step_metrics.py)
+        all-reduced, this rank's ratio extremes and the gradient norm before clipping."""
+        raise NotImplementedError
+
+    def _critic_update(self, mini: Mini) -> torch.Tensor:
+        """One critic optimizer step on the mini-batch; its sums `[loss, clipped, tokens]` over the ranks."""
+        raise NotImplementedError
+
+    def _policy_logprobs(self, batches: list[MicroBatch], passes: int) -> list[torch.Tensor]:
+        """`[B, R]` no-grad log-probs of the current policy for each batch (sharded: `passes` passes)."""
+        raise NotImplementedError
+
+    def _offload(self, store: StorageOffload, parts: Sequence[str]) -> None:
+        """`offload`: the tensors of `parts` ("optimizer", "model") into `store`."""
+        raise NotImplementedError
+
+    def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, whole tensor in the compute dtype) of every trained weight, as the engines load them."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
 
     @property
     def device(self) -> torch.device:
