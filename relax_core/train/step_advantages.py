@@ -1,6 +1,6 @@
-"""Step-wide advantages for the torch trainer: from per-sample token lists to the spec's estimator.
+"""Step-wide advantages for the trainers' step (step.py): from per-sample token lists to the spec's estimator.
 
-Sits between `TorchTrainer._prepare` (which packs the step and runs the
+Sits between a backend's `_prepare` (which packs the step and runs the
 no-grad forwards: old, reference and teacher log-probs) and the loss. Every
 estimator of the algorithm suite (algorithms/estimators.py) and a token
 selection (M2PO's) work on the *whole step* (all data-parallel ranks): whitening,

@@ -70,7 +70,7 @@ def test_ratio_and_importance_weights_per_token_equal_a_hand_computation(model_d
     seen: list[tuple] = []  # (update, micro-batch, ratio, importance weight, logp_old) per micro-batch
     after_first_update: dict = {}
     updates = [0]
-    loss_from, step = trainer._loss_from, trainer.optimizer.step
+    loss_from, step = trainer.loss_from, trainer.optimizer.step
 
     def recording_loss(logp, entropy, micro, mini):
         out = loss_from(logp, entropy, micro, mini)
@@ -88,7 +88,7 @@ def test_ratio_and_importance_weights_per_token_equal_a_hand_computation(model_d
             after_first_update["model"] = copy.deepcopy(trainer.model)
         return result
 
-    trainer._loss_from, trainer.optimizer.step = recording_loss, counting_step
+    trainer.loss_from, trainer.optimizer.step = recording_loss, counting_step
     metrics = trainer.train_step(batch)
     assert metrics["optimizer_steps"] == 2 and metrics["logp_old_version"] == 2
 

@@ -113,14 +113,14 @@ def test_environment_tokens_get_no_gradient_and_engine_logprobs_match_the_traine
         # One optimizer step on these trajectories; capture d loss / d log-prob of every response token.
         trainer = TorchTrainer(model_dir, TorchTrainerConfig(lr=1e-2, micro_batch_size=1, grad_clip=1.0))
         captured = []
-        loss_from = trainer._loss_from
+        loss_from = trainer.loss_from
 
         def spy(logp, entropy, micro, mini):
             logp.retain_grad()
             captured.append(logp)
             return loss_from(logp, entropy, micro, mini)
 
-        trainer._loss_from = spy
+        trainer.loss_from = spy
         trainer.train_step(samples, advantages=[1.0, -1.0] * 3)
         assert len(captured) == len(samples)  # micro_batch_size 1: one row each, in order
         for s, logp in zip(samples, captured):

@@ -1,16 +1,16 @@
-"""The Megatron backend's trainer: the torch backend's algorithm code on a megatron-core model.
+"""The Megatron backend's trainer: the step of `PolicyTrainer` (step.py) on a megatron-core model.
 
-`MegatronTrainer` is a `TorchTrainer` whose model is a megatron-core
-`GPTModel` (model.py), sharded over tensor, pipeline and expert parallel
-groups (parallel.py) and loaded from the HF checkpoint (hf_weights.py). What
-it shares with the torch backend is everything an algorithm is made of: the
-step's advantages, the mini-batches and their normalisers, the policy loss,
-its aggregation, the KL and the metrics (`TorchTrainer._loss_from`). What
-differs:
+`MegatronTrainer` trains a megatron-core `GPTModel` (model.py), sharded over
+tensor, pipeline and expert parallel groups (parallel.py) and loaded from the
+HF checkpoint (hf_weights.py). What it shares with the torch backend
+(torch_backend.py), through their base `PolicyTrainer`, is everything an
+algorithm is made of: the step's advantages, the mini-batches and their
+normalisers, the policy loss, its aggregation, the KL and the metrics
+(`PolicyTrainer.loss_from`). What differs:
 
 - forward and backward run through megatron-core's own schedule
   (`get_forward_backward_func`: 1F1B with pipeline parallelism), with the loss
-  function computing `_loss_from` on the last stage;
+  function computing `loss_from` on the last stage;
 - the model is wrapped in megatron-core's `DistributedDataParallel` (in bf16
   runs around its `Float16Module`, every parameter in bf16, as Megatron-LM
   trains) and the gradients are finished by `finalize_model_grads` (data-parallel sums,
@@ -44,15 +44,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from relax_core.config.algorithm_specs import get_spec  # noqa: F401  (the spec is read in _init_algorithm)
-from relax_core.data.sample import Sample
 from relax_core.train.batching import MicroBatch
 from relax_core.train.config import TorchTrainerConfig
 from relax_core.train.megatron import compat
 from relax_core.train.megatron.forward import attention_inputs, full_logits
 from relax_core.train.megatron.model import Parallel, build_model, unsupported
+from relax_core.train.offload import StorageOffload
 from relax_core.train.optim import lr_lambda
-from relax_core.train.torch_backend import _SUMS, TorchTrainer, _Micro, _Mini
+from relax_core.train.step import Micro, Mini, PolicyTrainer
+from relax_core.train.step_metrics import SUMS
 
 
 class LambdaSchedule:
@@ -103,7 +103,7 @@ def ensure_world(device: str) -> None:
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store, rank=0, world_size=1)
 
 
-class MegatronTrainer(TorchTrainer):
+class MegatronTrainer(PolicyTrainer):
     """Trains one Qwen3 / Qwen3-MoE with megatron-core over the trainer world (see the module docstring).
 
     Args:
@@ -121,10 +121,8 @@ class MegatronTrainer(TorchTrainer):
         from relax_core.train.megatron import hf_weights
         from relax_core.train.megatron.parallel import initialize
 
-        self.config = cfg = config
-        torch.manual_seed(cfg.seed)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        super().__init__(config)
+        cfg = config
         compat.install(cfg.device)
         ensure_world(cfg.device)
         initialize(parallel, cfg.seed, cfg.device)
@@ -136,27 +134,20 @@ class MegatronTrainer(TorchTrainer):
         if problems:
             raise ValueError(f"{self.model_path}: " + "; ".join(problems))
         self.group = ps.get_data_parallel_group()
-        self.frozen: list[str] = []
         self.module = self._load(self.model_path, cfg.dtype, cfg.recompute_activations)
         self.ddp = self._wrap(self._in_compute_dtype(self.module), distributed_optimizer)
         self.model = self.ddp
-        self.ref_model = None
-        if (cfg.use_kl_loss or cfg.use_reference or self._kl_in_reward) and not cfg.reference_service:
+        if self._loads_reference:
             self.ref_model = self._in_compute_dtype(self._load(Path(ref_model_path or model_path), cfg.dtype, False))
             self.ref_model.requires_grad_(False)
-        self.teacher = None
-        self.last_returns = None
-        self._offloaded = None
         self.pad_id = self.hf_config.get("pad_token_id") or 0
         self.optimizer = self._build_optimizer(self.ddp, cfg.lr)
         # PPO's critic: the policy's model with a value head, sharded and trained as the policy (critic.py).
-        self.critic = None
         if cfg.critic_lr is not None:
             from relax_core.train.megatron.critic import MegatronCritic
 
             self.critic = MegatronCritic.build(self, Path(cfg.critic_path or model_path))
         self.scheduler = LambdaSchedule(self.optimizer, cfg)
-        self._init_algorithm()
         self._hf = hf_weights
 
     # ------------------------------------------------------------ building
@@ -235,9 +226,23 @@ class MegatronTrainer(TorchTrainer):
             return None
         return [row for part in parts for row in part]
 
-    def _pooled(self, samples, *columns):
+    def _pool(self, samples, *columns):
+        """The rows of this rank's model-parallel group (every rank of it trains on all of them), and what
+        keeps this rank's own of per-row results."""
         counts = self._mp_gather([len(samples)]) or [len(samples)]
-        return (self._mp_gather(samples), *(self._mp_gather(c) if c is not None else None for c in columns)), counts
+        pooled = self._mp_gather(samples)
+        start = sum(counts[: self._mp_rank()])
+
+        def own(rows: list) -> list:
+            return rows[start: start + len(samples)]
+
+        return (pooled if pooled is not None else list(samples),
+                *(self._mp_gather(c) if c is not None else None for c in columns)), own
+
+    def _mp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return dist.get_rank(ps.get_model_parallel_group())
 
     # ------------------------------------------------------------ schedule
     def _schedule(self, model, batches: list[MicroBatch | None], loss_fn, *, forward_only: bool,
@@ -285,10 +290,6 @@ class MegatronTrainer(TorchTrainer):
                 num_microbatches=len(items), seq_length=longest, micro_batch_size=items[0][1].input_ids.shape[0],
                 forward_only=forward_only)
 
-    def _idle_batch(self) -> MicroBatch:
-        idle = Sample(prompt_ids=[self.pad_id], response_ids=[self.pad_id], rollout_logprobs=[0.0], loss_mask=[0])
-        return self._pack([idle])
-
     def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` as the last pipeline stage holds it, on every stage."""
         from megatron.core import parallel_state as ps
@@ -335,49 +336,13 @@ class MegatronTrainer(TorchTrainer):
         return self._from_last_stage(result.contiguous())
 
     # --------------------------------------------------------- log-probs
-    @torch.no_grad()
-    def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        (pooled,), counts = self._pooled(samples)
-        pooled = pooled if pooled is not None else list(samples)
-        bounds = self._micro_bounds(pooled)
-        batches = [self._pack(pooled[a:b]) for a, b in zip(bounds, bounds[1:])]
-        passes = self._passes([len(batches)])[0]
-        logps = self._logprobs_of(self.ddp, batches + [None] * (passes - len(batches)))
-        rows = [r for mb, lp in zip(batches, logps) for r in mb.response_lists(lp)]
-        start = sum(counts[: self._mp_rank()])
-        return rows[start: start + len(samples)]
-
-    def _mp_rank(self) -> int:
-        from megatron.core import parallel_state as ps
-
-        return dist.get_rank(ps.get_model_parallel_group())
-
-    def _idle_pass(self, *, backward: bool) -> None:
-        raise AssertionError("the megatron trainer runs its idle passes inside the schedule")
-
-    # ------------------------------------------------------------ train step
-    def train_step(self, samples, advantages=None, ref_logprobs=None):
-        """`TorchTrainer.train_step` on the rows of this rank's model-parallel group (pooled first);
-        `last_returns` holds this rank's own rows' returns afterwards."""
-        (pooled, adv, ref), counts = self._pooled(samples, advantages, ref_logprobs)
-        if pooled is None:
-            pooled = list(samples)
-        metrics = super().train_step(pooled, adv, ref)
-        if self.last_returns is not None:
-            start = sum(counts[: self._mp_rank()])
-            self.last_returns = self.last_returns[start: start + len(samples)]
-        return metrics
+    def _policy_logprobs(self, batches: list[MicroBatch], passes: int) -> list[torch.Tensor]:
+        return self._logprobs_of(self.ddp, batches + [None] * (passes - len(batches)))[: len(batches)]
 
     @torch.no_grad()
-    def _prepare(self, samples, ref_rows=None, passes: int = 0) -> list[_Micro]:
-        cfg = self.config
+    def _prepare(self, samples, ref_rows=None, passes: int = 0) -> list[Micro]:
         bounds = self._micro_bounds(samples)
         batches = [self._pack(samples[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-        def given(rows, a, b, mb):
-            from relax_core.train.step_advantages import pad_rows
-
-            return pad_rows([list(r) for r in rows[a:b]], mb.loss_mask.shape[1]).to(cfg.device)
 
         idle = [None] * (max(passes, len(batches)) - len(batches)) if self.sharded else []
         old = [None] * len(batches)
@@ -385,18 +350,18 @@ class MegatronTrainer(TorchTrainer):
             old = self._logprobs_of(self.ddp, batches + idle)[: len(batches)]
         ref = [None] * len(batches)
         if ref_rows is not None:
-            ref = [given(ref_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
+            ref = [self._given_rows(ref_rows, a, b, mb) for (a, b), mb in zip(zip(bounds, bounds[1:]), batches)]
         elif self.ref_model is not None:
             ref = self._logprobs_of(self.ref_model, batches + idle)[: len(batches)]
         values = [None] * len(batches)
         if self.critic is not None:
             values = self.critic.values_of(self, batches + idle)
-        return [_Micro(mb, lo, lr, values=v) for mb, lo, lr, v in zip(batches, old, ref, values)]
+        return [Micro(mb, lo, lr, values=v) for mb, lo, lr, v in zip(batches, old, ref, values)]
 
-    def _critic_update(self, mini: _Mini) -> torch.Tensor:
+    def _critic_update(self, mini: Mini) -> torch.Tensor:
         return self.critic.update(self, list(mini.micros), mini)
 
-    def _update(self, mini: _Mini) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _update(self, mini: Mini) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step: the schedule's forward/backward over the mini-batch, the gradients finished
         over the parallel groups, megatron-core's optimizer step (clipping included)."""
         from megatron.core.distributed import finalize_model_grads
@@ -406,13 +371,13 @@ class MegatronTrainer(TorchTrainer):
         # On the trainer's device: the last stage adds each micro-batch's sums there, and the pipeline
         # broadcast and the data-parallel reductions below send these very tensors (NCCL: CUDA ones).
         device = self.config.device
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
+        sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
         extremes = torch.full((2,), -math.inf, dtype=torch.float64, device=device)
         micros = list(mini.micros)
 
         def loss_fn(index, head, mb):
             logp, entropy = head.logp, head.entropy
-            loss, parts, micro_extremes = self._loss_from(logp, entropy, micros[index], mini)
+            loss, parts, micro_extremes = self.loss_from(logp, entropy, micros[index], mini)
             sums.add_(parts.to(device))
             torch.maximum(extremes, micro_extremes.to(device), out=extremes)
             return loss
@@ -433,18 +398,13 @@ class MegatronTrainer(TorchTrainer):
         return sums, extremes, float(grad_norm if grad_norm is not None else 0.0)
 
     # ------------------------------------------------- GPU memory (colocate)
-    def offload(self, parts=("optimizer", "model")) -> None:
-        """`TorchTrainer.offload` for megatron-core's state: "optimizer" takes the gradient buffers (emptied,
-        not copied: the next step zeroes them), the optimizers' master weights and Adam state, the reference
-        and the critic; "model" the policy's parameters (in megatron-core's flat buffers, emptied whole)."""
-        from relax_core.train.offload import StorageOffload, megatron_grad_buffers, megatron_optimizer_tensors
+    def _offload(self, store: StorageOffload, parts) -> None:
+        """megatron-core's state: "optimizer" takes the gradient buffers (emptied, not copied: the next step
+        zeroes them), the optimizers' master weights and Adam state, the reference and the critic; "model"
+        the policy's parameters (in megatron-core's flat buffers, emptied whole)."""
+        from relax_core.train.offload import megatron_grad_buffers, megatron_optimizer_tensors
         from relax_core.train.offload import module_tensors as tensors_of
 
-        unknown = set(parts) - {"optimizer", "model"}
-        if unknown:
-            raise ValueError(f"unknown parts {sorted(unknown)}: offload 'optimizer' and/or 'model'")
-        if self._offloaded is None:
-            self._offloaded = StorageOffload(self.config.device)
         if "optimizer" in parts:
             policy = {t.untyped_storage().data_ptr() for t in tensors_of(self.module)}
             grads, state = megatron_grad_buffers(self.ddp), megatron_optimizer_tensors(self.optimizer)
@@ -452,12 +412,10 @@ class MegatronTrainer(TorchTrainer):
             if self.critic is not None:
                 grads += megatron_grad_buffers(self.critic.ddp)
                 state += megatron_optimizer_tensors(self.critic.optimizer) + tensors_of(self.critic.module)
-            self._offloaded.offload(grads, keep=False)
-            self._offloaded.offload([t for t in state if t.untyped_storage().data_ptr() not in policy])
+            store.offload(grads, keep=False)
+            store.offload([t for t in state if t.untyped_storage().data_ptr() not in policy])
         if "model" in parts:
-            self._offloaded.offload(tensors_of(self.module))
-        if torch.device(self.config.device).type == "cuda":
-            torch.cuda.empty_cache()
+            store.offload(tensors_of(self.module))
 
     # --------------------------------------------------- sync and checkpoint
     def named_parameters_for_sync(self) -> Iterator[tuple[str, torch.Tensor]]:
