@@ -298,7 +298,7 @@ class Elastic:
 
     def _poll_starting(self, op: ScaleOp) -> None:
         engines = self._engines_of(op)
-        if op.source == "url":
+        if op.url is not None:  # an engine someone else started: ask it for /health
             engine = engines[0]
             if answers_health(engine.url, self.set.spec.api_key, timeout_s=2.0):
                 engine.state, engine.node = "healthy", host_of(engine.url)

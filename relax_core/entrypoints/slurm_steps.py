@@ -148,7 +148,7 @@ def srun_command(recipe: Recipe, run: RunDir, group: str, node: str, job_name: s
                  het_group: int | None = None, driver: bool = False) -> list[str]:
     """`srun` of `python -m argv` on one node of this job (of het group `het_group`), inside the container
     when the recipe names one: a Ray node of `group`, or the driver (`driver=True`)."""
-    from relax_core.launch.container import step_prefix
+    from relax_core.cluster.container import step_prefix
 
     cluster = recipe.cluster
     het = [f"--het-group={het_group}"] if het_group is not None else []

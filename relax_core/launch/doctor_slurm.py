@@ -38,8 +38,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from relax_core.cluster.container import image_ref
 from relax_core.errors import UserError
-from relax_core.launch.container import image_ref
 
 REPORT, REQUEST, TOKEN = "report.json", "request.json", "token"
 HUB_TIMEOUT_S = 5.0

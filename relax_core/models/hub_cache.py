@@ -2,7 +2,7 @@
 
 `relax submit` fetches every hub id of a recipe into this cache (launch/hub.py); the job's processes load
 from it with the hub offline (`hub_env`, set by the Slurm batch step, entrypoints/slurm_job.py), and a
-container binds it (launch/container.py). Layout: `HF_HOME`, the snapshots under `hub/`.
+container binds it (cluster/container.py). Layout: `HF_HOME`, the snapshots under `hub/`.
 """
 
 from __future__ import annotations

@@ -33,18 +33,9 @@ from relax_core.errors import UserError
 from relax_core.rewards import registry
 from relax_core.rewards.failures import FailureWindow, describe_error
 from relax_core.rewards.genrm import Judge, JudgeEndpoints, as_reward
+from relax_core.rollout.scoring import RewardItem, empty_stats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RewardItem:
-    """One response to score; `reward`: the reward to score it with (None: the hub's default)."""
-
-    response: str
-    label: Any = None
-    metadata: dict = field(default_factory=dict)
-    reward: str | None = None
 
 
 @dataclass
@@ -247,10 +238,6 @@ def check_routes(names: set, column: str, plugin_dirs: list[str] | tuple[str, ..
         shown = ", ".join(unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10 else "")
         raise UserError(f"data.reward_key: column '{column}' names rewards that do not exist: {shown} "
                         f"(available: {', '.join(sorted(known))}; add a plug-in with reward.plugin_dirs)")
-
-
-def empty_stats() -> dict[str, float]:
-    return {"reward_errors": 0, "reward_timeouts": 0, "reward_s": 0.0}
 
 
 def batch_stats(results: list[RewardResult], seconds: float) -> dict[str, float]:

@@ -4,11 +4,12 @@ For each step it encodes the prompts with the chat template, asks the
 engines for `n_samples_per_prompt` responses each (all samples of a prompt go
 to the same engine, so its prefix cache serves the group), scores every
 response with the reward, and returns one `Sample` per response with the
-engine's log-probs and weight version. Scoring goes through the reward hub
-(relax_core/rewards/hub.py) once per step, for all samples concurrently, each
-with its row's own reward (`row["reward"]`, from `data.reward_key`) or the
-recipe's; the step's failure counts are left in `last_reward_stats` for the
-controller, and too many failures end the run there.
+engine's log-probs and weight version. Scoring goes through the scorer
+(rollout/scoring.py's interface: the run's reward hub, relax_core/rewards/hub.py)
+once per step, for all samples concurrently, each with its row's own reward
+(`row["reward"]`, from `data.reward_key`) or the recipe's; the step's failure
+counts are left in `last_reward_stats` for the controller, and too many
+failures end the run there.
 
 Every sample gets its own sampling seed derived from (run seed, step, index),
 sent as SGLang's `sampling_params.sampling_seed`. What it buys depends on the
@@ -29,13 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from relax_core.data.prompts import encode_prompt
 from relax_core.data.sample import Sample
-from relax_core.rewards.hub import RewardHub, RewardItem, empty_stats
 from relax_core.rollout.client import (
     EngineClient,
     EngineError,
@@ -44,6 +43,7 @@ from relax_core.rollout.client import (
     parse_generate_output,
 )
 from relax_core.rollout.prompt_prep import MediaPrompts, Prompt, Skipped
+from relax_core.rollout.scoring import RewardItem, Scorer, empty_stats
 from relax_core.rollout.turn_batch import TurnBatcher
 
 log = logging.getLogger(__name__)
@@ -75,11 +75,12 @@ def sample_seed(seed: int, step: int, index: int) -> int:
 
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], tokenizer, sampling: SamplingConfig,
-                 reward_fn: RewardHub | Callable[[str, Any, dict], float], system_prompt: str | None = None,
+                 scorer: Scorer, system_prompt: str | None = None,
                  media: MediaPrompts | None = None, chat_template: bool = True, recovery=None, agentic=None):
-        """`reward_fn`: a `RewardHub` (worker pool, time limits, per-sample routing), or a plain
-        function, which is wrapped in a hub that calls it in-process. `media`: prepares the rows that
-        carry images, video or audio (rollout/prompt_prep.py); without it rows are text. `chat_template`:
+        """`scorer`: scores the responses (rollout/scoring.py's interface): the run's `RewardHub` (worker
+        pool, time limits, per-sample routing; `RewardHub.from_function` wraps a plain function).
+        `media`: prepares the rows that carry images, video or audio (rollout/prompt_prep.py); without it
+        rows are text. `chat_template`:
         `data.apply_chat_template` (false: a text prompt's own tokens). `recovery`: replaces engines that die or
         hang during a step (controller/recovery.py's `EngineRecovery`: `check_every_s`, `check()`,
         `recover(error)` -> the new clients); None: an engine's failure ends the step with its error.
@@ -88,7 +89,7 @@ class RolloutManager:
         a prompt's trajectory (or several segments of one), `turn(ids, max_new_tokens, index)` generating on
         the trajectory's engine."""
         self.clients, self.tokenizer, self.sampling = clients, tokenizer, sampling
-        self.reward_hub = reward_fn if isinstance(reward_fn, RewardHub) else RewardHub.from_function(reward_fn)
+        self.reward_hub = scorer
         self.system_prompt, self.chat_template = system_prompt, chat_template
         self.media = media
         self.dropped_prompts = 0

@@ -27,8 +27,9 @@ from model_dirs import custom_code_model, echo_judge_model
 from relax_core.cluster.placement import JUDGE_RESOURCE
 from relax_core.config import load_recipe
 from relax_core.rewards.genrm import JudgeEndpoints
-from relax_core.rewards.hub import RewardHub, RewardItem
+from relax_core.rewards.hub import RewardHub
 from relax_core.rewards.judge_service import JudgeService
+from relax_core.rollout.scoring import RewardItem
 from relax_core.rundir import new_run_dir
 
 REPO = Path(__file__).resolve().parents[2]

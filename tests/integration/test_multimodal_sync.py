@@ -19,6 +19,7 @@ from relax_core.config.data import SyntheticData
 from relax_core.data.media import MediaBounds
 from relax_core.data.prompts import build_prompt_source
 from relax_core.models.tiny import materialize_tiny_model
+from relax_core.rewards.hub import RewardHub
 from relax_core.rollout.client import EngineClient
 from relax_core.rollout.manager import RolloutManager, SamplingConfig
 from relax_core.rollout.prompt_prep import MediaPrompts
@@ -43,7 +44,8 @@ def rollout(url: str, model_dir, rows: list[dict], step: int) -> list:
 
     async def run():
         async with EngineClient(url) as client:
-            manager = RolloutManager([client], tokenizer, sampling, lambda r, label, m: float(sum(map(ord, r)) % 2),
+            scorer = RewardHub.from_function(lambda r, label, m: float(sum(map(ord, r)) % 2))
+            manager = RolloutManager([client], tokenizer, sampling, scorer,
                                      media=media)
             return await manager.generate(rows, step)
 

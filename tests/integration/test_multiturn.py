@@ -26,6 +26,7 @@ from engine_fixtures import EngineServer
 from relax_core.config.rollout import EnvConfig
 from relax_core.models.tiny import materialize_tiny_model
 from relax_core.models.tokenizer import load_tokenizer
+from relax_core.rewards.hub import RewardHub
 from relax_core.rollout.chat_turns import ChatTurns
 from relax_core.rollout.client import EngineClient
 from relax_core.rollout.manager import RolloutManager, SamplingConfig
@@ -71,7 +72,7 @@ def manager_for(model_dir: Path, engine, env: EnvConfig, n: int = 2, max_new_tok
     episodes = EnvEpisodes(env, ChatTurns(tokenizer), max_new_tokens, max_prompt_len=64)
     sampling = SamplingConfig(n_samples_per_prompt=n, max_new_tokens=max_new_tokens, max_prompt_len=64, seed=0)
     return RolloutManager([EngineClient(engine.base_url, api_key=KEY)], tokenizer, sampling,
-                          lambda text, label, meta: 0.0, agentic=episodes)
+                          RewardHub.from_function(lambda text, label, meta: 0.0), agentic=episodes)
 
 
 def spans(mask: list[int]) -> list[tuple[int, int]]:
@@ -241,7 +242,7 @@ def test_agent_programs_calls_are_recorded_with_masks_and_a_hung_one_is_killed(s
                              ChatTurns(tokenizer), max_new_tokens=48, max_prompt_len=64)
     sampling = SamplingConfig(n_samples_per_prompt=2, max_new_tokens=48, max_prompt_len=64, seed=0)
     manager = RolloutManager([EngineClient(engine.base_url, api_key=KEY)], tokenizer, sampling,
-                             lambda text, label, meta: 0.0, agentic=programs)
+                             RewardHub.from_function(lambda text, label, meta: 0.0), agentic=programs)
     rows = [{"prompt": "ab", "label": "ab", "metadata": {}},
             {"prompt": "cd", "label": "cd", "metadata": {"rewrite": 1}}]
     loop = asyncio.new_event_loop()

@@ -26,6 +26,7 @@ import pytest
 from engine_fixtures import ENGINE_API_KEY
 from relax_runs import cli_env, wait_for
 
+from relax_core.rewards.hub import RewardHub
 from relax_core.rollout.client import EngineClient, GenerationAborted
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,7 +110,7 @@ def test_abort_all_ends_a_rollout_batch_at_once_and_the_batch_is_not_scored(tiny
         client = EngineClient(url, api_key=ENGINE_API_KEY, timeout=120)
         sampling = SamplingConfig(n_samples_per_prompt=4, max_new_tokens=480, max_prompt_len=64, temperature=0.0)
         manager = RolloutManager([client], AutoTokenizer.from_pretrained(tiny_model_dir), sampling,
-                                 lambda text, *_: scored.append(text) or 1.0)
+                                 RewardHub.from_function(lambda text, *_: scored.append(text) or 1.0))
         batch = asyncio.ensure_future(manager.generate(rows, step=1))
         await until_decoding(client)
         async with EngineClient(url, api_key=ENGINE_API_KEY) as other:  # another client, as the abort thread's

@@ -24,10 +24,11 @@ from relax_core.config.loader import load_recipe
 from relax_core.data.prompts import build_prompt_source
 from relax_core.data.sample import Sample
 from relax_core.rewards.failures import RewardFailureError
-from relax_core.rewards.hub import RewardHub, RewardItem
+from relax_core.rewards.hub import RewardHub
 from relax_core.rewards.registry import RewardPluginError, list_rewards
 from relax_core.rollout.client import EngineClient
 from relax_core.rollout.manager import RolloutManager, SamplingConfig
+from relax_core.rollout.scoring import RewardItem
 
 REPO = Path(__file__).resolve().parents[2]
 

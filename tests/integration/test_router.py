@@ -30,6 +30,7 @@ import httpx
 import pytest
 from engine_fixtures import HOST, EngineServer, free_port, tiny_model_dir  # noqa: F401
 
+from relax_core.rewards.hub import RewardHub
 from relax_core.rollout.client import EngineClient, EngineError
 from relax_core.rollout.router import Router
 
@@ -288,7 +289,7 @@ def test_every_turn_of_a_multi_turn_trajectory_goes_to_its_prompts_engine(
 
     async def run():
         manager = RolloutManager([EngineClient(router.url, api_key=API_KEY)], tokenizer, sampling,
-                                 lambda text, label, meta: 0.0, agentic=episodes)
+                                 RewardHub.from_function(lambda text, label, meta: 0.0), agentic=episodes)
         try:
             return await manager.generate(rows, step=1)
         finally:

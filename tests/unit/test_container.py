@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from relax_core.cluster.container import apptainer_command, container_prefix, in_container
 from relax_core.config.cluster import ContainerConfig
 from relax_core.errors import RecipeError
-from relax_core.launch.container import apptainer_command, check_container, container_prefix, in_container
+from relax_core.launch.container import check_container
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +60,7 @@ def test_prefix_binds_env_gpu_and_run_dir(tmp_path, image):
     run = tmp_path / "runs" / "r1"
     config = ContainerConfig(image=str(image), binds=[f"{data}:/data:ro"], env={"HF_HOME": "/data/hf"})
     assert container_prefix(config, run_dir=run, gpus=True) == [
-        sys.executable, "-m", "relax_core.launch.container",  # passes the step's Slurm variables in
+        sys.executable, "-m", "relax_core.cluster.container",  # passes the step's Slurm variables in
         "apptainer", "exec", "--cleanenv", "--nv",
         "--bind", f"{data}:/data:ro",
         "--bind", str(run),

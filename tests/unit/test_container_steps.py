@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from relax_core.cluster.container import bind_sources, passed_env, recipe_paths, step_prefix
 from relax_core.config import load_recipe
 from relax_core.launch import container
-from relax_core.launch.container import bind_sources, check_container, recipe_paths, step_prefix
+from relax_core.launch.container import check_container
 from relax_core.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,8 +100,8 @@ def test_recipe_env_wins_over_a_passed_variable(tmp_path, fake_apptainer, image)
 def test_singularity_gets_its_own_prefix():
     argv = ["/opt/bin/singularity", "exec", "--env", "A=1", "img.sif", "python3"]
     env = {"SLURM_JOB_ID": "5", "A": "host", "PYTHONPATH": "/x"}
-    assert container.passed_env(env, argv) == {"SINGULARITYENV_SLURM_JOB_ID": "5"}
-    assert container.passed_env(env, ["apptainer", *argv[1:]]) == {"APPTAINERENV_SLURM_JOB_ID": "5"}
+    assert passed_env(env, argv) == {"SINGULARITYENV_SLURM_JOB_ID": "5"}
+    assert passed_env(env, ["apptainer", *argv[1:]]) == {"APPTAINERENV_SLURM_JOB_ID": "5"}
 
 
 # ------------------------------------------------------------------ binds

@@ -138,7 +138,7 @@ def test_in_a_container_the_steps_read_the_hub_cache_not_the_images_hf_home(tmp_
     """The environment the batch step gives every step (`hub_env`) reaches the process inside the image,
     over the image's own HF_HOME, and the cache is bound (tests/fake_apptainer.py applies both as
     Apptainer does)."""
-    from relax_core.launch.container import step_prefix
+    from relax_core.cluster.container import step_prefix
     from relax_core.models.hub_cache import hub_env
 
     image = tmp_path / "relax.sif"

@@ -35,8 +35,6 @@ LAYERS = [
 ]
 STILL_UPWARD = {
     ("entrypoints/slurm_job.py", "relax_core.launch.scale_jobs"),
-    ("entrypoints/slurm_steps.py", "relax_core.launch.container"),
-    ("rollout/manager.py", "relax_core.rewards.hub"),
 }
 
 

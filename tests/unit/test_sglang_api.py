@@ -25,6 +25,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from relax_core.models import tiny
+from relax_core.rewards.hub import RewardHub
 from relax_core.rollout import client as client_module
 from relax_core.rollout import router
 from relax_core.rollout.client import EngineClient
@@ -37,6 +38,11 @@ REPO = Path(__file__).resolve().parents[2]
 # Served by the CPU engine for sglang-router 0.3.2, which asks every worker for it; SGLang 0.5.23's server
 # has /v1/loads instead (relax's own drain check reads that one).
 FOR_THE_ROUTER_ONLY = {"/get_load"}
+
+
+def scores_one() -> RewardHub:
+    """A scorer that gives every response 1.0."""
+    return RewardHub.from_function(lambda response, label, metadata: 1.0)
 
 
 def sglang(path: str) -> ast.Module:
@@ -207,7 +213,7 @@ def test_the_sampling_parameters_of_a_rollout_are_sglangs(recorder, tmp_path):
 
     async def rollout():
         async with EngineClient(recorder) as c:
-            manager = RolloutManager([c], tokenizer, sampling, lambda response, label, metadata: 1.0)
+            manager = RolloutManager([c], tokenizer, sampling, scores_one())
             return await manager.generate([{"prompt": "ab", "label": "ab"}], step=0)
 
     samples = asyncio.run(rollout())
@@ -226,7 +232,7 @@ def test_behind_a_router_each_sample_is_a_request_naming_its_group(recorder, tmp
 
     async def rollout():
         async with EngineClient(recorder) as c:
-            manager = RolloutManager([c], tokenizer, sampling, lambda response, label, metadata: 1.0)
+            manager = RolloutManager([c], tokenizer, sampling, scores_one())
             return await manager.generate(rows, step=0) + await manager.generate(rows, step=1)
 
     samples = asyncio.run(rollout())
@@ -252,7 +258,7 @@ def test_without_the_chat_template_the_engine_gets_the_prompts_own_tokens(record
 
     async def rollout(chat_template):
         async with EngineClient(recorder) as c:
-            manager = RolloutManager([c], tokenizer, sampling, lambda response, label, metadata: 1.0,
+            manager = RolloutManager([c], tokenizer, sampling, scores_one(),
                                      chat_template=chat_template)
             return await manager.generate([{"prompt": "ab", "label": "ab"}], step=0)
 
@@ -352,7 +358,7 @@ def test_a_multimodal_rollout_request_holds_sglangs_fields_and_encodings(recorde
 
     async def rollout():
         async with EngineClient(recorder) as c:
-            manager = RolloutManager([c], tokenizer, sampling, lambda response, label, metadata: 1.0, media=media)
+            manager = RolloutManager([c], tokenizer, sampling, scores_one(), media=media)
             return await manager.generate(rows, step=0)
 
     try:
@@ -389,7 +395,7 @@ def test_a_row_whose_media_fail_at_run_time_is_skipped_and_counted(recorder, tmp
     async def rollout():
         async with EngineClient(recorder) as c:
             manager = RolloutManager([c], AutoTokenizer.from_pretrained(model_dir), sampling,
-                                     lambda response, label, metadata: 1.0, media=media)
+                                     scores_one(), media=media)
             return await manager.generate(rows, step=0), manager.last_reward_stats
 
     try:
