@@ -6,8 +6,8 @@ when they share nothing else.
                                                        (launch/control.py, controller/api.py)
     scale/<op>.submit.json     ->  <op>.job.json      the driver asks the supervisor for a scale-out job
     scale/<op>.cancel, <op>.ending                     ... for its end; the job says its time is up
-                                                       (controller/scale_out.py, launch/scale_jobs.py,
-                                                       entrypoints/slurm_scale.py)
+                                                       (controller/scale_out.py,
+                                                       entrypoints/scale_jobs.py, slurm_scale.py)
 
 Each file is written whole (a 0600 temporary file renamed into place). Who may ask: the run's owner. The
 control folder is the owner's, mode 0700, and the driver obeys a control request only if it is a plain
@@ -90,7 +90,7 @@ def scale_folder(run: RunDir) -> Path:
 
 class ScaleJobRequests:
     """The driver's side of the scale-out jobs: ask for one, read what became of it, ask for its end
-    (the supervisor's side: launch/scale_jobs.py)."""
+    (the supervisor's side: entrypoints/scale_jobs.py)."""
 
     def __init__(self, run: RunDir):
         self.folder = scale_folder(run)

@@ -3,7 +3,7 @@
     relax scale-rollout +1   ->   POST /v1/scale (api.py)   ->   Elastic.request   ->   a ScaleOp
 
     scale-out   pending -> starting -> healthy -> syncing -> active        (or failed, cancelled)
-      pending    Slurm: a rollout-only job is submitted (by the job's supervisor, launch/scale_jobs.py)
+      pending    Slurm: a rollout-only job is submitted (by the job's supervisor, entrypoints/scale_jobs.py)
                  and waits in Slurm's queue; local: the engines start at once; a URL: asked for /health
       starting   the engines load (on the new job's nodes once they joined the run's Ray cluster)
       healthy    every engine answers; waiting for the training loop's next safe point

@@ -2,7 +2,7 @@
 
     LocalScaleOut   the engines start at once on this machine, up to what it holds
     SlurmScaleOut   each scale-out asks the job's supervisor for a rollout-only Slurm job
-                    (relax_core/run_requests.py, launch/scale_jobs.py); its engines wait for that job's
+                    (relax_core/run_requests.py, entrypoints/scale_jobs.py); its engines wait for that job's
                     nodes to join the run's Ray cluster, and leave when the job ends
 
 The driver's entry point knows its executor and hands `run_job` the matching one

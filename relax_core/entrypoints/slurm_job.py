@@ -28,7 +28,7 @@ after a signal, so a failing start-up cannot loop; a preempted one always is.
 It holds the run directory's driver lock for its whole life, so no local
 driver or second job drives the same run meanwhile. It also submits the
 rollout-only jobs the driver asks for (`relax scale-rollout +N`,
-launch/scale_jobs.py: the driver may run in a container without Slurm's
+entrypoints/scale_jobs.py: the driver may run in a container without Slurm's
 commands) and cancels them when they are done with, and all of them when the
 job ends.
 """
@@ -44,10 +44,10 @@ from pathlib import Path
 
 from relax_core.cluster.ports import NodePorts, lease_ports
 from relax_core.config.schema import Recipe
+from relax_core.entrypoints.scale_jobs import ScaleJobs
 from relax_core.entrypoints.slurm_steps import Allocation, JobSteps
 from relax_core.entrypoints.slurm_steps import srun_command as srun_command  # tests/unit/test_container_steps.py
 from relax_core.errors import UserError
-from relax_core.launch.scale_jobs import ScaleJobs
 from relax_core.rundir import DriverLock, RunDir
 
 # Exit codes of the driver step.

@@ -2,7 +2,7 @@
 
     python -m relax_core.entrypoints.slurm_scale RUN_DIR --op s1
 
-Started by the run's supervisor (launch/scale_jobs.py) for `relax scale-rollout +N`.
+Started by the run's supervisor (entrypoints/scale_jobs.py) for `relax scale-rollout +N`.
 On each of the job's nodes it starts a Ray worker (`relax_core.cluster.node`
 with `--scale-op`: the run's token, the `relax_rollout` slots, and the
 `relax_scale_<op>` resource the operation's engines ask for), joining the

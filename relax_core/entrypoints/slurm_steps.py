@@ -242,7 +242,7 @@ class JobSteps:
 
     def supervise(self, poll_s: float = 0.5, scale_jobs=None) -> tuple[int | None, str | None]:
         """Wait for the driver to end; returns (its exit code, or None, and why the job failed otherwise: a node
-        that ended, or a step Slurm did not start in time). Meanwhile `scale_jobs` (launch/scale_jobs.py) submits
+        that ended, or a step Slurm did not start in time). Meanwhile `scale_jobs` (entrypoints/scale_jobs.py) submits
         and cancels the driver's scale-out jobs."""
         assert self.driver is not None
         while True:

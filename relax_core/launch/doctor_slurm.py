@@ -62,7 +62,7 @@ def job_options(recipe) -> list[str]:
     options = ["--job-name=relax-doctor", f"--time={JOB_TIME}"]
     if recipe is None:
         return [*options, "--nodes=1", "--ntasks=1"]
-    from relax_core.launch.slurm import component_options
+    from relax_core.cluster.slurm_commands import component_options
 
     node = recipe.cluster.train.model_copy(update={"nodes": 1})
     return [o for o in component_options(recipe, node) if not o.startswith("--time=")] + options

@@ -15,10 +15,10 @@ import os
 import shutil
 from pathlib import Path
 
+from relax_core.cluster.slurm_commands import scheduler_states
 from relax_core.config import load_recipe
-from relax_core.launch import scale_jobs
-from relax_core.launch.scale_jobs import ScaleJobs, slurm_duration_s
-from relax_core.launch.slurm import scheduler_states
+from relax_core.entrypoints import scale_jobs
+from relax_core.entrypoints.scale_jobs import ScaleJobs, slurm_duration_s
 from relax_core.run_requests import ScaleJobRequests
 from relax_core.rundir import RunDir
 

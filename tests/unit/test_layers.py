@@ -4,9 +4,7 @@ docs/architecture.md gives the layers and why each sits where it does. A module 
 package and the packages of lower layers; an import of a higher layer, at the top of a module or inside a
 function alike (a lazy import hides a cycle from Python, not from this check), is an upward import.
 
-`STILL_UPWARD` lists the upward imports the code had when the contract landed, each one a debt
-docs/architecture.md names: none may be added (a new one fails, naming it) and each one paid is taken off
-the list (an entry that no longer exists fails too, so the list only shrinks).
+The contract landed with 43 upward imports listed as debt; the last was paid off, so none is allowed.
 """
 
 from __future__ import annotations
@@ -33,9 +31,6 @@ LAYERS = [
     ("launch",),
     ("recipes", "catalog", "doctor"),
 ]
-STILL_UPWARD = {
-    ("entrypoints/slurm_job.py", "relax_core.launch.scale_jobs"),
-}
 
 
 LAYER_OF = {name: i for i, layer in enumerate(LAYERS) for name in layer} | {"__init__": 0}
@@ -73,11 +68,9 @@ def test_every_package_has_a_layer():
 
 
 def test_no_import_runs_back_up_the_layers():
-    found = upward_imports()
-    added, paid = sorted(found - STILL_UPWARD), sorted(STILL_UPWARD - found)
-    assert not added, "imports of a higher layer (docs/architecture.md: move the shared part down instead):\n" + \
-        "\n".join(f"  {f} imports {m}" for f, m in added)
-    assert not paid, "gone, so take them off STILL_UPWARD:\n" + "\n".join(f"  {f} imports {m}" for f, m in paid)
+    found = sorted(upward_imports())
+    assert not found, "imports of a higher layer (docs/architecture.md: move the shared part down instead):\n" + \
+        "\n".join(f"  {f} imports {m}" for f, m in found)
 
 
 def test_a_planted_upward_import_is_found_lazy_or_not(tmp_path):

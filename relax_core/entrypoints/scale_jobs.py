@@ -52,7 +52,7 @@ def scale_job_options(recipe: Recipe, run: RunDir, op_id: str, nodes: int,
                       time_left_s: float | None = None) -> list[str]:
     """`#SBATCH` options of scale-out `op_id`'s job: `nodes` nodes shaped as the engines' group, for
     `time_left_s` (what the run's job has left; None: the recipe's `cluster.slurm.time`)."""
-    from relax_core.launch.slurm import component_options, sbatch_option
+    from relax_core.cluster.slurm_commands import component_options, sbatch_option
 
     group = getattr(recipe.cluster, rollout_group_name(recipe)).model_copy(update={"nodes": nodes})
     signal = f"B:USR1@{recipe.cluster.slurm.signal_before_end_s}"
@@ -150,7 +150,7 @@ class ScaleJobs:
             self._note_ended()
 
     def _submit(self, request: Path) -> None:
-        from relax_core.launch.slurm import submit_script
+        from relax_core.cluster.slurm_commands import submit_script
 
         asked = read_json(request)
         request.unlink(missing_ok=True)
@@ -187,7 +187,7 @@ class ScaleJobs:
         """Scale-out jobs Slurm no longer runs (time limit, failure, cancelled by hand) are marked ended.
         While `squeue` fails (a busy or restarting controller) every job is kept as it was, to be asked
         about again at the next poll and cancelled at the run's end: a failed query is not an ended job."""
-        from relax_core.launch.slurm import SLURM_STATES, SchedulerUnavailable, scheduler_states
+        from relax_core.cluster.slurm_commands import SLURM_STATES, SchedulerUnavailable, scheduler_states
 
         try:
             states = scheduler_states(list(self.jobs.values()))
