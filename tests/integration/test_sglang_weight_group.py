@@ -39,6 +39,7 @@ from relax_core.weights.sync import WeightBroadcaster, WeightSyncError
 API_KEY = "sglang-group-key"
 GROUP_TIMEOUT = timedelta(seconds=30)  # the trainer's side: a group that cannot form fails the test in 30 s
 FAST_S = 10.0  # "at once": the group's timeout is 30 s here, 10 minutes in a run
+JOIN_TIMEOUT = timedelta(seconds=180)  # for a group whose other ranks are processes still starting
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 PROMPT = [5, 6, 7, 8]
 
@@ -243,7 +244,9 @@ def test_the_pinned_copy_of_sglangs_group_function_joins_the_same_group_as_sglan
          f"tcp://{HOST}:{port}", "--world-size", "3", "--rank", str(rank), "--shapes", shapes,
          "--out", str(tmp_path / which)], env=subprocess_env()) for rank, which in ((1, "sglang"), (2, "pinned"))}
     try:
-        group = init_weight_update_group(HOST, port, 0, 3, "weight_update_group", "gloo", GROUP_TIMEOUT, sock)
+        # Both children import torch and SGLang's modules before they join: on a loaded 2-core machine that
+        # took more than GROUP_TIMEOUT (DistStoreError: wait timeout after 30000ms), so they get JOIN_TIMEOUT.
+        group = init_weight_update_group(HOST, port, 0, 3, "weight_update_group", "gloo", JOIN_TIMEOUT, sock)
         for t in tensors:
             torch.distributed.broadcast(t, src=0, group=group)
         torch.distributed.barrier(group=group)  # the children leave once all three are done
