@@ -306,9 +306,10 @@ class TrainerWorker:
         return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
                 "sync_version": float(version)}
 
-    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+    def sync_weights(self, version: int | None = None, while_generating: bool = False) -> dict[str, float]:
         """Rank 0: broadcast weights to every engine. `version` given: the live weights as that version
-        (colocate: nothing trains meanwhile); None: the newest snapshot (asynchronous modes)."""
+        (colocate: nothing trains meanwhile); None: the newest snapshot (asynchronous modes, where the engines
+        may be generating: `while_generating`, weights/sync.py)."""
         if self.broadcaster is None:
             return {}
         if version is None:
@@ -316,11 +317,12 @@ class TrainerWorker:
         else:
             tensors = None  # live weights, read lazily bucket by bucket
         self.sent = (version, tensors)
-        return self._broadcast(version, tensors)
+        return self._broadcast(version, tensors, while_generating)
 
-    def _broadcast(self, version: int, tensors: list | None) -> dict[str, float]:
+    def _broadcast(self, version: int, tensors: list | None, while_generating: bool = False) -> dict[str, float]:
         named = tensors if tensors is not None else self._live_weights()
-        stats = self.loop.run_until_complete(self.broadcaster.broadcast(self._for_engines(named), version))
+        stats = self.loop.run_until_complete(self.broadcaster.broadcast(self._for_engines(named), version,
+                                                                        while_generating))
         return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
                 "sync_version": float(version)}
 

@@ -1,12 +1,15 @@
 """The rollout service: engines' client, rollout manager and reward hub in their own process.
 
-    for step s = first .. last (a thread of the actor):
-        safe point: wait until the trainer has published version >= s - 1 - max_staleness (the staleness
-                    bound); hold while the driver changes the engine set; take the new endpoints
-        engines older than the newest published version?  trainer rank 0 broadcasts it (engines idle)
-        samples = rollout(s)                 every sample carries the one version that generated it
+    production thread (per step s = first .. last):
+        safe point: wait until the engines hold version >= s - 1 - max_staleness (the staleness bound);
+                    hold while the driver changes the engine set; take the new endpoints
+        samples = rollout(s)                 each token carries the version that generated it
         TransferQueue partition s <- samples; each downstream service is asked to process its share
         record s: counts, ids, times, prompt cursor, and the refs of the downstream calls
+    weight thread (whenever the trainer publishes a version the engines lack):
+        trainer rank 0 broadcasts its newest snapshot while the engines generate: each engine is paused
+        (SGLang's retract), loads the weights and continues; a request in flight goes on under the new
+        weights, and the engine reports which of its tokens each version made
     told to halt: the step being generated is aborted by the driver (controller/preemption.py) and dropped
 
 The driver talks to it in metadata only: `publish(version)` after each
@@ -14,10 +17,16 @@ optimizer step, `record(step)` for what a step produced, `pause`/`resume`
 around a change of the engine set. Samples go from here straight into
 TransferQueue; the trainer ranks read them there.
 
-Weights change only between two batches, so no sample mixes two policy
-versions, and the staleness of a sample consumed at step s is exactly
-`(s - 1) - sample.policy_version <= max_staleness`. With max_staleness 0 the
-thread waits for every new version: the samples are those colocate would use.
+Weights reach the engines as soon as a version is published, not between two
+batches: no engine waits for a step's slowest sample before it gets the new
+weights, and no step's generation waits for a sync to start. A sample may
+therefore mix versions, oldest first; the engines were at version >= s - 1 -
+max_staleness when step s began and only newer ones follow, so every token of
+a sample consumed at step s has staleness `(s - 1) - version <= max_staleness`
+(controller/streaming.py checks it per token). With max_staleness 0 the
+production thread waits for every new version before each step, and a
+publish during the step's generation cannot happen (the trainer waits for the
+step), so the samples are those colocate would use.
 """
 
 from __future__ import annotations
@@ -103,6 +112,10 @@ class RolloutService:
         self._error: BaseException | None = None
         self._ended = False
         self._thread: threading.Thread | None = None
+        self._weights: threading.Thread | None = None  # the weight thread (`_sync_loop`)
+        self._syncing = False  # a weight update is in progress
+        self._sync_s = 0.0  # seconds of weight updates since the last step's record
+        self._sync_failed: tuple[Exception, int] | None = None  # (error, version) of a failed update
         self._recovery_asked: str | None = None  # why the production thread waits for engines replaced
         self._recovery_answer: tuple[list[str] | None, str | None] | None = None
 
@@ -137,7 +150,9 @@ class RolloutService:
         self.engine_version = self._version = engine_version
         self.downstream = downstream
         self._thread = threading.Thread(target=self._run, args=(first, last), name="relax-rollout", daemon=True)
+        self._weights = threading.Thread(target=self._sync_loop, name="relax-weights", daemon=True)
         self._thread.start()
+        self._weights.start()
 
     def publish(self, version: int) -> None:
         with self._cond:
@@ -161,14 +176,15 @@ class RolloutService:
             return self._records.pop(step)
 
     def pause(self, timeout_s: float = 600) -> bool:
-        """Hold the production thread at its next safe point (between two batches); True once held."""
+        """Hold the production thread at its next safe point (between two batches) and the weight thread
+        between two updates; True once both are held."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             self._hold = True
             self._cond.notify_all()
-            while not (self._at_safe_point or self._ended) and time.monotonic() < deadline:
+            while not ((self._at_safe_point and not self._syncing) or self._ended) and time.monotonic() < deadline:
                 self._cond.wait(WAIT_S)
-            return self._at_safe_point
+            return self._at_safe_point and not self._syncing
 
     def resume(self, endpoints: list[str] | None = None) -> None:
         """Let the thread go on, sending to `endpoints` from its next batch on (when given)."""
@@ -214,8 +230,9 @@ class RolloutService:
     def halt(self) -> None:
         self._halt.set()
         self.resume()
-        if self._thread is not None:
-            self._thread.join(timeout=120)
+        for thread in (self._thread, self._weights):
+            if thread is not None:
+                thread.join(timeout=120)
 
     def close(self) -> None:
         self.halt()
@@ -251,12 +268,13 @@ class RolloutService:
         idle_s = self._safe_point(step - 1 - self.recipe.rollout.max_staleness)
         if self._halt.is_set():
             return False
-        sync_s = self._refresh_weights()
         start = time.perf_counter()
         samples = rollout_step(step, self.recipe, self.prompts, self.manager, self.loop, self._halt.is_set)
         generate_s = time.perf_counter() - start
         self.bus.put(step, samples)
         calls = self._ask_downstream(step, len(samples))
+        with self._cond:
+            sync_s, self._sync_s = self._sync_s, 0.0
         record = StepRecord(step, len(samples), [s.sample_id for s in samples], [s.policy_version for s in samples],
                             generate_s, idle_s, sync_s, self.prompts.state_dict(), sample_stats(samples),
                             dict(self.manager.last_reward_stats), calls)
@@ -282,34 +300,60 @@ class RolloutService:
         return self.rows_put
 
     def _safe_point(self, needed_version: int) -> float:
-        """Between two batches: wait for the staleness bound and any hold; returns the seconds waited."""
+        """Between two batches: wait until the engines hold `needed_version` (the staleness bound) and for
+        any hold; a weight update that failed is recovered here. Returns the seconds waited."""
         start = time.perf_counter()
-        with self._cond:
-            self._at_safe_point = True
-            self._cond.notify_all()
-            while (self._version < needed_version or self._hold) and not self._halt.is_set():
-                self._cond.wait(WAIT_S)
-            self._at_safe_point = False
-            endpoints, self._endpoints = self._endpoints, None
-        if endpoints is not None:
-            self.loop.run_until_complete(self.manager.set_clients(self._clients(endpoints)))
-        return time.perf_counter() - start
+        while True:
+            with self._cond:
+                self._at_safe_point = True
+                self._cond.notify_all()
+                while ((self.engine_version < needed_version or self._hold) and self._sync_failed is None
+                       and not self._halt.is_set()):
+                    self._cond.wait(WAIT_S)
+                self._at_safe_point = False
+                failed, endpoints, self._endpoints = self._sync_failed, self._endpoints, None
+            if endpoints is not None:
+                self.loop.run_until_complete(self.manager.set_clients(self._clients(endpoints)))
+            if failed is None or self._halt.is_set():
+                return time.perf_counter() - start
+            self._recover_sync(*failed)
 
-    def _refresh_weights(self) -> float:
-        """Bring the engines to the newest published version (they are idle now)."""
+    def _recover_sync(self, error: Exception, version: int) -> None:
+        """A weight update failed (an engine died): once the driver replaced it, every engine holds the
+        version that was being sent (the recovery sends it to the new engine and again to the others)."""
+        self.loop.run_until_complete(self.manager.replace_engines(error))
+        with self._cond:
+            self.engine_version = max(self.engine_version, version)
+            self._sync_failed = None
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------- weight thread
+    def _sync_loop(self) -> None:
+        """Bring the engines to each newly published version at once, while they generate."""
         import ray
 
-        if self._version <= self.engine_version:
-            return 0.0
-        start = time.perf_counter()
-        version = self._version
-        try:
-            stats = ray.get(self.trainer0.sync_weights.remote(None))
-        except Exception as exc:  # an engine died: once it is replaced, every engine holds these weights
-            self.loop.run_until_complete(self.manager.replace_engines(exc))
-            stats = {"sync_version": version}
-        self.engine_version = int(stats.get("sync_version", version))
-        return time.perf_counter() - start
+        while True:
+            with self._cond:
+                while (not self._halt.is_set() and (self._version <= self.engine_version or self._hold
+                                                    or self._sync_failed is not None)):
+                    self._cond.wait(WAIT_S)
+                if self._halt.is_set():
+                    return
+                version, self._syncing = self._version, True
+            start = time.perf_counter()
+            try:
+                stats = ray.get(self.trainer0.sync_weights.remote(None, True))
+            except Exception as exc:  # the production thread has the driver replace the engine (`_recover_sync`)
+                log.warning("the weight update to version %d failed: %s", version, exc)
+                with self._cond:
+                    self._sync_failed, self._syncing = (exc, version), False
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self.engine_version = max(self.engine_version, int(stats.get("sync_version", version)))
+                self._sync_s += time.perf_counter() - start
+                self._syncing = False
+                self._cond.notify_all()
 
 
 class _DriverRecovery:

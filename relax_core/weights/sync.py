@@ -13,6 +13,11 @@ engines are ranks 1..N, using SGLang's protocol:
                  tensors' bytes in the order of `names` (`flattened`)
     POST /end_weight_update
 
+In the asynchronous modes the engines are generating when a version arrives:
+`broadcast(..., while_generating=True)` wraps the above in SGLang's
+`/pause_generation {"mode": "retract"}` ... `/continue_generation`, so the
+requests in flight go on under the new weights (see `broadcast`).
+
 Buckets bound the memory in flight and let the HTTP round trip of one bucket
 overlap the broadcasts. Over NCCL (SGLang on GPUs) a bucket goes as one byte
 tensor: one collective per bucket, not one kernel launch and one receiving
@@ -155,10 +160,34 @@ class WeightBroadcaster:
             backend=self.backend,
         )
 
-    async def broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
-        """Send all tensors (streamed: the iterable may produce them lazily)."""
+    async def broadcast(self, named_tensors: Iterable[NamedTensor], version: int,
+                        while_generating: bool = False) -> BroadcastStats:
+        """Send all tensors (streamed: the iterable may produce them lazily).
+
+        `while_generating`: the engines may have requests in flight (the asynchronous modes). Each engine is
+        paused first with SGLang's `retract` mode, which takes its running requests back to its queue with
+        their tokens so far, and continued after the update, also when it failed. A retracted request's cache
+        entries are freed, so the flush with the last bucket succeeds (SGLang's scheduler `flush_cache` ignores
+        the queue while paused) and the request continues under the new weights, its cache recomputed from
+        its prompt and the tokens it has; the engine notes on each such request how many tokens the old
+        version made (SGLang's `record_weight_version_change`), and its response names the version of every
+        token span (`meta_info["weight_versions"]`). `in_place` would keep the old cache and fail the flush."""
         if self.group is None:
             raise RuntimeError("no weight-update group: call init() (after a failed sync: set_engines())")
+        if not while_generating:
+            return await self._broadcast(named_tensors, version)
+        paused = await asyncio.gather(*(c.pause_generation("retract") for c in self.clients), return_exceptions=True)
+        try:
+            failed = next(((c, r) for c, r in zip(self.clients, paused) if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise WeightSyncError(f"pausing {failed[0].base_url} for the weight update failed: "
+                                      f"{failed[1]!r}") from failed[1]
+            return await self._broadcast(named_tensors, version)
+        finally:  # every engine that paused generates again, with whatever weights it holds
+            await _bounded(c.continue_generation() for c, was in zip(self.clients, paused)
+                           if not isinstance(was, BaseException))
+
+    async def _broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
         start = time.perf_counter()
         stats = BroadcastStats(version, 0, 0, 0, 0.0)
         results = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)

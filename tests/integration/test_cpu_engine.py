@@ -257,6 +257,36 @@ def test_pause_in_place_keeps_and_resumes_in_flight_requests(engine):
     assert result["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_pause_retract_frees_the_cache_and_continues_each_request_from_its_tokens(engine):
+    """SGLang's retract: running requests go back to the queue with their tokens, the cache can be flushed
+    (what a weight update in between needs), and on continue each is prefilled again from its prompt and
+    tokens. With the same weights and seed it ends as an uninterrupted request does."""
+    params = {"max_new_tokens": 120, "ignore_eos": True, "temperature": 1.0, "sampling_seed": 77}
+
+    async def scenario(client: EngineClient):
+        plain = await client.generate([3, 4, 5], sampling_params=params, return_logprob=True)
+        task = asyncio.ensure_future(client.generate([3, 4, 5], sampling_params=params, return_logprob=True))
+        await _until_running(client)
+        await client.pause_generation(mode="retract")
+        before = (await client.get_model_info())["engine_stats"]
+        flushed = await client.flush_cache()  # nothing runs: SGLang's scheduler ignores the paused queue
+        await asyncio.sleep(0.3)
+        frozen = (await client.get_model_info())["engine_stats"]["decode_steps"] == before["decode_steps"]
+        await client.continue_generation()
+        retracted = await asyncio.wait_for(task, 60)
+        after = (await client.get_model_info())["engine_stats"]
+        return plain, retracted, flushed, frozen, after["prefill_passes"] - before["prefill_passes"]
+
+    plain, retracted, flushed, frozen, prefills = run(engine, scenario)
+    assert flushed and frozen
+    assert prefills == 1  # prefilled again from its prompt and tokens, after continue
+    assert retracted["output_ids"] == plain["output_ids"]
+    assert len(retracted["output_ids"]) == 120
+    ours = [lp for lp, _, _ in retracted["meta_info"]["output_token_logprobs"]]
+    theirs = [lp for lp, _, _ in plain["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
+
+
 async def _until_running(client: EngineClient, timeout: float = 20) -> None:
     start = (await client.get_model_info())["engine_stats"]["decode_steps"]
     deadline = time.monotonic() + timeout

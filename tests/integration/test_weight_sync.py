@@ -62,12 +62,18 @@ def test_trainer_broadcast_makes_engine_match_trainer(tiny_model_dir, tmp_path):
         engine.stop()
     result = json.loads((tmp_path / "result.json").read_text())
 
-    for sync in result["syncs"]:
+    *syncs, live = result["syncs"]
+    for sync in syncs:
         assert sync["num_buckets"] >= 5  # several buckets, each announced over HTTP
         assert sync["reported_version"] == str(sync["version"]) == sync["meta_version"]
         assert sync["max_diff_to_trainer"] < 1e-4
         assert sync["max_diff_to_previous"] > 1e-3  # the weights did change
-    assert [s["version"] for s in result["syncs"]] == [3, 4]
+    assert [s["version"] for s in result["syncs"]] == [3, 4, 5]
+    # weights that arrive mid-request: it goes on, its tokens the old weights' up to the update, the new after
+    assert live["finish_reason"] == "length" and live["tokens"] == 400
+    assert 20 <= live["split"] < 400
+    assert live["max_diff_before"] < 1e-4 and live["max_diff_after"] < 1e-4
+    assert live["reported_version"] == "5" == live["meta_version"]
     assert result["default_group_sum"] == 3.0  # the trainer's own DP group still works
 
 
@@ -148,6 +154,32 @@ async def _sync_and_check(model, previous, broadcaster, client, version: int) ->
     }
 
 
+async def _sync_while_generating(model, previous, broadcaster, client, version: int) -> dict:
+    """The asynchronous modes' sync: the weights arrive while a long request generates (the engine is paused
+    with SGLang's retract, loads them, and continues the request from its tokens)."""
+    from relax_core.rollout.client import parse_generate_output
+
+    prompt = [5, 6, 7, 8]
+    params = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    request = asyncio.ensure_future(client.generate(prompt, sampling_params=params, return_logprob=True))
+    start = (await client.get_model_info())["engine_stats"]["decode_steps"]
+    while (await client.get_model_info())["engine_stats"]["decode_steps"] < start + 20:
+        await asyncio.sleep(0.01)
+    stats = await broadcaster.broadcast(model.state_dict().items(), version=version, while_generating=True)
+    out = parse_generate_output(await asyncio.wait_for(request, 120))
+    new, old = _logprobs(model, prompt, out.output_ids), _logprobs(previous, prompt, out.output_ids)
+    # the tokens before the update are the old weights', every token after it the new weights' (its cache
+    # computed again from the prompt and the tokens so far: no key or value of the old weights is left)
+    split = next(t for t in range(len(new)) if abs(out.logprobs[t] - old[t]) > 1e-4)
+    return {
+        "version": version, "num_buckets": stats.num_buckets, "reported_version": await client.get_weight_version(),
+        "meta_version": out.weight_version, "tokens": len(out.output_ids), "split": split,
+        "max_diff_before": max(abs(a - b) for a, b in zip(out.logprobs[:split], old[:split])),
+        "max_diff_after": max(abs(a - b) for a, b in zip(out.logprobs[split:], new[split:])),
+        "finish_reason": out.finish_reason,
+    }
+
+
 async def _rank0_syncs(args, model, previous, train) -> list[dict]:
     from relax_core.rollout.client import EngineClient
     from relax_core.weights.sync import WeightBroadcaster
@@ -165,6 +197,9 @@ async def _rank0_syncs(args, model, previous, train) -> list[dict]:
         # Elastic path: the group is torn down and re-created (same engine here).
         await broadcaster.set_engines([client], master_port=args.master_ports[1])
         syncs.append(await _sync_and_check(model, previous, broadcaster, client, version=4))
+        previous.load_state_dict(model.state_dict())
+        train(step=3)
+        syncs.append(await _sync_while_generating(model, previous, broadcaster, client, version=5))
         await broadcaster.close()
         assert client._session is None  # the broadcaster closed its client: no connection left open
     return syncs
@@ -193,7 +228,8 @@ def trainer_main(args) -> None:
     train(step=1)
     syncs = asyncio.run(_rank0_syncs(args, model, previous, train)) if args.rank == 0 else None
     if args.rank == 1:
-        train(step=2)  # rank 1 takes part in the DP step rank 0 runs between syncs
+        train(step=2)  # rank 1 takes part in the DP steps rank 0 runs between syncs
+        train(step=3)
     total = torch.tensor([float(args.rank + 1)])
     dist.all_reduce(total)
     if args.rank == 0:

@@ -56,9 +56,14 @@ class Sequence:
     created: float = field(default_factory=time.perf_counter)
     cached_tokens: int = 0  # prompt tokens whose keys and values came from another row's prefill
     # A multimodal prompt (`prompt_ids` expanded by the processor): what its prefill
-    # needs (`media_inputs.MediaPrompt`), dropped once prefilled.
+    # needs (`media_inputs.MediaPrompt`), kept until it finishes (a retracted sequence prefills again).
     media: Any = None
     rope_delta: int = 0  # M-RoPE position of the next token minus its index (0 for text)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What its prefill reads: the prompt, and the tokens it has generated when it was retracted."""
+        return self.prompt_ids + self.output_ids
 
     @property
     def next_position(self) -> int:
@@ -148,8 +153,22 @@ class Batcher:
             self._finish(seq, {"type": "abort", "message": "Abort request."})
         return len(aborted)
 
+    def retract(self) -> int:
+        """Pause, taking the running sequences back to the head of the queue with their tokens so far and
+        freeing their keys and values (SGLang's `pause_generation` mode "retract", scheduler.py): once
+        generation continues they are prefilled again, prompt and tokens, with the weights then loaded."""
+        retracted = [s for s in self.running if s.finish_reason is None]
+        self.waiting.extendleft(reversed(retracted))
+        self.running, self.batch, self.hold = [], KVBatch(), True
+        return len(retracted)
+
     def is_idle(self) -> bool:
         return not self.waiting and not self.running
+
+    def flushable(self) -> bool:
+        """The cache may be flushed: nothing runs, and nothing waits unless generation is paused (SGLang's
+        scheduler `flush_cache`: `is_fully_idle(ignore_waiting=self._engine_paused)`)."""
+        return not self.running and (self.hold or not self.waiting)
 
     # ---- the scheduler thread ----
 
@@ -224,11 +243,11 @@ class Batcher:
     def _prefill_text(self, seqs: list[Sequence]) -> tuple[list[KVBatch], list[torch.Tensor]]:
         if not seqs:
             return [], []
-        batch, logits = KVBatch.prefill(self.runner, [s.prompt_ids for s in seqs], self.pad_id)
+        batch, logits = KVBatch.prefill(self.runner, [s.prefill_ids for s in seqs], self.pad_id)
         self.stats.prefill_passes += 1
         seen: set[tuple[int, ...]] = set()
         for seq in seqs:  # KVBatch.prefill runs each distinct prompt once
-            key = tuple(seq.prompt_ids)
+            key = tuple(seq.prefill_ids)
             seq.cached_tokens = len(key) if key in seen else 0
             seen.add(key)
         return [batch], [logits]
@@ -239,14 +258,13 @@ class Batcher:
         done: dict[tuple, tuple[KVBatch, torch.Tensor, int]] = {}
         parts, logits = [], []
         for seq in seqs:
-            key = seq.media.key
+            key = (seq.media.key, tuple(seq.output_ids))
             if key in done:
                 seq.cached_tokens = len(seq.prompt_ids)
             else:
-                done[key] = KVBatch.prefill_media(self.runner, seq.prompt_ids, seq.media.tensors)
+                done[key] = KVBatch.prefill_media(self.runner, seq.prefill_ids, seq.media.tensors)
                 self.stats.prefill_passes += 1
             batch, row_logits, seq.rope_delta = done[key]
-            seq.media = None
             parts.append(batch)
             logits.append(row_logits)
         return parts, logits

@@ -229,8 +229,9 @@ class PauseGenerationReqInput(BaseModel):
     """Body of `POST /pause_generation` (optional; SGLang's default mode is abort).
 
     abort: in-flight requests return at once with finish_reason type "abort".
-    in_place / retract: in-flight requests stay and resume on continue (this
-    engine keeps their KV cache in both modes).
+    in_place: in-flight requests stay, their KV cache kept, and resume on continue.
+    retract: in-flight requests go back to the queue with their tokens so far, their KV cache freed;
+    on continue they are prefilled again (prompt and tokens) with the weights loaded then.
     """
 
     mode: Literal["abort", "retract", "in_place"] = "abort"

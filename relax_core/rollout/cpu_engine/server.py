@@ -16,7 +16,10 @@ text-only model or bad media answer 400 naming the field and item.
 
 Pause semantics (SGLang's): while paused, new `/generate` requests wait until
 `/continue_generation`; in-flight ones are aborted (mode "abort", the
-default) or kept and resumed (modes "in_place" / "retract").
+default), kept as they are (mode "in_place") or taken back to the queue
+with their tokens so far, their keys and values freed and computed again
+when generation continues (mode "retract": a weight update in between
+continues them under the new weights).
 
 Colocate on shared GPUs (`memory.py`, `relax_core.rollout.weight_wire`):
 `/release_memory_occupation` and `/resume_memory_occupation` free and
@@ -223,8 +226,8 @@ def _set_once(future: asyncio.Future, value: Any) -> None:
 def _add_control_routes(app: FastAPI, state: EngineState) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
-        # No prefix cache to flush; like SGLang, refuse while requests are in flight.
-        idle = await _on_scheduler(state, lambda b: b.is_idle())
+        # No prefix cache to flush; like SGLang, refuse while requests run (or wait, unless paused).
+        idle = await _on_scheduler(state, lambda b: b.flushable())
         return Response(
             "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
             "waiting requests, the operation will not be performed.)\n",
@@ -259,6 +262,8 @@ def _add_control_routes(app: FastAPI, state: EngineState) -> None:
 def _pause(batcher: Batcher, mode: str) -> None:
     if mode == "abort":
         batcher.abort()
+    elif mode == "retract":
+        batcher.retract()
     else:
         batcher.hold = True
 
@@ -388,7 +393,7 @@ async def _update_from_tensor(state: EngineState, obj: UpdateWeightsFromTensorRe
 
     def load(batcher: Batcher) -> bool:
         state.loader.load(deserialize_named_tensors(obj.serialized_named_tensors[0]))
-        return batcher.is_idle()
+        return batcher.flushable()
 
     try:
         idle = await _on_scheduler(state, load)
