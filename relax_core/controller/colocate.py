@@ -32,7 +32,7 @@ from statistics import fmean
 
 from relax_core.cluster.placement import engines_share_train_gpus
 from relax_core.controller.job import Job, timed
-from relax_core.data.sample import Sample
+from relax_core.data.sample import Sample, length_stats
 from relax_core.rollout.sampling_rounds import Preempted
 
 # SGLang's memory tags: what an engine frees while the trainer trains, and the two halves it resumes in.
@@ -105,7 +105,7 @@ def step_metrics(samples: list[Sample], rollout_s: float, train_s: float, sync_s
     staleness = [version - 1 - s.policy_version for s in samples]
     return {
         "reward_mean": fmean(rewards) if rewards else 0.0,
-        "response_len_mean": fmean(lengths) if lengths else 0.0,
+        **length_stats(samples),
         "prompt_len_mean": fmean(len(s.prompt_ids) for s in samples) if samples else 0.0,
         "truncated_frac": fmean(s.finish_reason == "length" for s in samples) if samples else 0.0,
         "tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),

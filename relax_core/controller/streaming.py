@@ -267,7 +267,7 @@ def stream_metrics(record: StepRecord, versions: list[int], step: int, wait_s: f
     stats = record.sample_stats
     return {
         "reward_mean": stats.get("reward_mean", 0.0),
-        "response_len_mean": stats.get("response_len_mean", 0.0),
+        **{key: stats.get(key, 0.0) for key in ("response_len_mean", "response_len_median", "response_len_max")},
         "prompt_len_mean": stats.get("prompt_len_mean", 0.0),
         "truncated_frac": stats.get("truncated_frac", 0.0),
         "samples": float(record.count),

@@ -68,3 +68,15 @@ class Sample:
     def num_tokens(self) -> int:
         """Prompt and response tokens: what the sample costs a trainer's forward and backward."""
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def length_stats(samples: list[Sample]) -> dict[str, float]:
+    """A step's response lengths: mean, median and longest (a long tail shows as max >> median, and in the
+    synchronous mode the step waits for its longest response)."""
+    from statistics import fmean, median
+
+    lengths = [s.response_len for s in samples]
+    if not lengths:
+        return {"response_len_mean": 0.0, "response_len_median": 0.0, "response_len_max": 0.0}
+    return {"response_len_mean": fmean(lengths), "response_len_median": float(median(lengths)),
+            "response_len_max": float(max(lengths))}

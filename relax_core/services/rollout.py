@@ -376,11 +376,12 @@ def sample_stats(samples: list) -> dict[str, float]:
     """What the driver logs about a step's samples without holding them."""
     from statistics import fmean
 
+    from relax_core.data.sample import length_stats
+
     if not samples:
-        return {"reward_mean": 0.0, "response_len_mean": 0.0, "prompt_len_mean": 0.0, "truncated_frac": 0.0,
-                "response_tokens": 0.0}
-    lengths = [s.response_len for s in samples]
-    return {"reward_mean": fmean(s.reward for s in samples), "response_len_mean": fmean(lengths),
+        return {"reward_mean": 0.0, "prompt_len_mean": 0.0, "truncated_frac": 0.0, "response_tokens": 0.0,
+                **length_stats(samples)}
+    return {"reward_mean": fmean(s.reward for s in samples), **length_stats(samples),
             "prompt_len_mean": fmean(len(s.prompt_ids) for s in samples),
             "truncated_frac": fmean(s.finish_reason == "length" for s in samples),
-            "response_tokens": float(sum(lengths))}
+            "response_tokens": float(sum(s.response_len for s in samples))}
