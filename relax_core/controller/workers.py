@@ -324,7 +324,7 @@ class TrainerWorker:
         stats = self.loop.run_until_complete(self.broadcaster.broadcast(self._for_engines(named), version,
                                                                         while_generating))
         return {"sync_bytes": float(stats.total_bytes), "sync_buckets": float(stats.num_buckets),
-                "sync_version": float(version)}
+                "sync_version": float(version), "sync_paused_s": stats.paused_s}
 
     def _for_engines(self, named):
         """(name, tensor) as the engines load them (`setup`'s `checkpoint_names`)."""

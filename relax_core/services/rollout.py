@@ -53,8 +53,8 @@ class StepRecord:
     sample_ids: list[int]
     versions: list[int]
     generate_s: float
-    idle_s: float
-    sync_s: float
+    idle_s: float  # the production thread waited at the safe point (staleness bound, an engine change)
+    sync_s: float  # the engines were paused for weight updates while this step generated
     data_state: dict
     sample_stats: dict[str, float] = field(default_factory=dict)  # reward, lengths (sample_stats below)
     reward_stats: dict[str, float] = field(default_factory=dict)
@@ -114,7 +114,7 @@ class RolloutService:
         self._thread: threading.Thread | None = None
         self._weights: threading.Thread | None = None  # the weight thread (`_sync_loop`)
         self._syncing = False  # a weight update is in progress
-        self._sync_s = 0.0  # seconds of weight updates since the last step's record
+        self._sync_s = 0.0  # seconds the engines were paused for weight updates since the last step's record
         self._sync_failed: tuple[Exception, int] | None = None  # (error, version) of a failed update
         self._recovery_asked: str | None = None  # why the production thread waits for engines replaced
         self._recovery_answer: tuple[list[str] | None, str | None] | None = None
@@ -351,7 +351,7 @@ class RolloutService:
                 continue
             with self._cond:
                 self.engine_version = max(self.engine_version, int(stats.get("sync_version", version)))
-                self._sync_s += time.perf_counter() - start
+                self._sync_s += stats.get("sync_paused_s", time.perf_counter() - start)
                 self._syncing = False
                 self._cond.notify_all()
 

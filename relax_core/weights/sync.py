@@ -83,6 +83,7 @@ class BroadcastStats:
     num_buckets: int
     total_bytes: int
     seconds: float
+    paused_s: float = 0.0  # while_generating: from the first pause to the last continue (the engines' idle time)
 
     @property
     def gbytes_per_s(self) -> float:
@@ -176,16 +177,19 @@ class WeightBroadcaster:
             raise RuntimeError("no weight-update group: call init() (after a failed sync: set_engines())")
         if not while_generating:
             return await self._broadcast(named_tensors, version)
+        start = time.perf_counter()
         paused = await asyncio.gather(*(c.pause_generation("retract") for c in self.clients), return_exceptions=True)
         try:
             failed = next(((c, r) for c, r in zip(self.clients, paused) if isinstance(r, BaseException)), None)
             if failed is not None:
                 raise WeightSyncError(f"pausing {failed[0].base_url} for the weight update failed: "
                                       f"{failed[1]!r}") from failed[1]
-            return await self._broadcast(named_tensors, version)
+            stats = await self._broadcast(named_tensors, version)
         finally:  # every engine that paused generates again, with whatever weights it holds
             await _bounded(c.continue_generation() for c, was in zip(self.clients, paused)
                            if not isinstance(was, BaseException))
+        stats.paused_s = time.perf_counter() - start
+        return stats
 
     async def _broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
         start = time.perf_counter()

@@ -26,9 +26,16 @@ Per run the steady-state steps (the first WARMUP skipped) give:
     ideal_ratio = (T_rollout + T_train) / max(T_rollout, T_train)
 
 and the last line is one JSON object with both throughputs, their ratio, the
-ideal ratio and fully_async's steady-state trainer idle time as a fraction of
-its step time. Goals: ratio >= 0.90 * ideal_ratio; trainer idle < 2 % of the
-step. Minutes, not part of the test suite:
+ideal ratio, fully_async's steady-state trainer idle time as a fraction of its
+step time, and the engines' idle time during weight syncs (`sync_s`: the
+weights arrive while the engines generate, each engine paused only while it
+loads them) as a fraction of the step. Goals: ratio >= 0.90 * ideal_ratio;
+trainer idle < 2 % and engine idle during syncs < 2 % of the step.
+
+`--long-tail`: responses end where the model samples its end-of-sequence token,
+up to 128 tokens, instead of all at 16: the lengths of a step spread like
+reasoning models' (a geometric-like tail; the JSON gives the measured median
+and longest per step, the longest about 8x the median). Minutes, not part of the test suite:
 
     HF_HUB_OFFLINE=1 python3 tests/benchmarks/bench_modes.py            # in a loopback namespace:
     unshare --net bash -c 'ip link set lo up; HF_HUB_OFFLINE=1 python3 tests/benchmarks/bench_modes.py'
@@ -55,6 +62,9 @@ WORKLOAD = [
 ]
 
 
+LONG_TAIL = ["rollout.max_new_tokens=128"]  # the model's own end-of-sequence token ends most responses
+
+
 def run_mode(mode: str, extra: list[str], workdir: Path) -> list[dict]:
     env = os.environ | {"HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
     cmd = [sys.executable, "-m", "relax_cli.main", "submit", str(QUICKSTART), f"mode={mode}", *WORKLOAD, *extra,
@@ -79,6 +89,8 @@ def summary(rows: list[dict]) -> dict[str, float]:
 
 
 def main(extra: list[str]) -> None:
+    long_tail = "--long-tail" in extra
+    extra = [e for e in extra if e != "--long-tail"] + (LONG_TAIL if long_tail else [])
     with tempfile.TemporaryDirectory() as tmp:
         colocate = summary(run_mode("colocate", extra, Path(tmp)))
         fully_async_rows = run_mode("fully_async", extra, Path(tmp))
@@ -87,19 +99,28 @@ def main(extra: list[str]) -> None:
     ideal = (t_rollout + t_train) / max(t_rollout, t_train)
     ratio = fully_async["samples_per_s"] / colocate["samples_per_s"]
     staleness = fmean(r["staleness_mean"] for r in fully_async_rows[WARMUP:])
-    idle = fmean(r["trainer_idle_s"] for r in fully_async_rows[WARMUP:]) / fully_async["step_s"]
+    steady = fully_async_rows[WARMUP:]
+    idle = fmean(r["trainer_idle_s"] for r in steady) / fully_async["step_s"]
+    engine_idle = sum(r["sync_s"] for r in steady) / sum(r["step_s"] for r in steady)
+    medians = [r.get("response_len_median") for r in steady]  # absent before the metric existed
+    lengths = {} if None in medians else {
+        "response_len_median": round(fmean(medians), 2),
+        "response_len_max": round(fmean(r["response_len_max"] for r in steady), 2),
+        "max_over_median": round(fmean(r["response_len_max"] / max(r["response_len_median"], 1) for r in steady), 2)}
     for name, s in (("colocate", colocate), ("fully_async", fully_async)):
         print(f"{name:12s} {s['samples_per_s']:7.1f} samples/s | step {s['step_s']:.3f}s | rollout "
               f"{s['rollout_s']:.3f}s | train {s['train_s']:.3f}s | sync {s['sync_s']:.3f}s | "
               f"reward(last 5) {s['reward_last5']:.3f}")
     print(f"ratio {ratio:.3f} | ideal {ideal:.3f} | ratio/ideal {ratio / ideal:.1%} (goal >= 90%) | "
-          f"fully_async mean staleness {staleness:.2f} | trainer idle {idle:.1%} of the step (goal < 2%)")
+          f"fully_async mean staleness {staleness:.2f} | trainer idle {idle:.1%} of the step (goal < 2%) | "
+          f"engines idle during syncs {engine_idle:.1%} (goal < 2%)")
     print(json.dumps({
         "colocate_samples_per_s": round(colocate["samples_per_s"], 3),
         "fully_async_samples_per_s": round(fully_async["samples_per_s"], 3),
         "ratio": round(ratio, 4), "ideal_ratio": round(ideal, 4), "ratio_of_ideal": round(ratio / ideal, 4),
         "t_rollout_s": round(t_rollout, 4), "t_train_s": round(t_train, 4), "steps": STEPS, "warmup": WARMUP,
-        "trainer_idle_frac": round(idle, 4),
+        "trainer_idle_frac": round(idle, 4), "engine_sync_idle_frac": round(engine_idle, 4),
+        "long_tail": long_tail, **lengths,
     }))
 
 
