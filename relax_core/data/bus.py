@@ -12,16 +12,25 @@ driver only ever claims rows (`claim`: a `BatchMeta`, indexes and field
 names, no tensors) and hands the claimed metadata to the trainer ranks, which
 read the tensors straight from TransferQueue's storage (`fetch`).
 One partition holds the rows of one training step; each row is
-one `Sample` spread over columns. Token ids, log-probs, loss mask and scalars
-travel as plain Python values, one per row (cheaper for TransferQueue than a
-small tensor per row: `_to_columns`), and the free-form columns (finish_reason,
-label, metadata) as JSON strings, so they come back exactly (JSON types: a
-tuple comes back as a list). A multimodal sample's processor tensors
-(pixel values, audio features, grid sizes) travel as they are, one dict of
-tensors per row (None for a text sample), never through JSON.
+one `Sample` spread over columns. A column with one value per token (token ids,
+log-probs, loss mask, a service's reference log-probs: `TOKEN_COLUMNS`) travels
+as one packed array per row, raw bytes of the column's dtype (int32 ids, int8
+mask, float32 log-probs: 4 bytes a token where msgpack spends 5 on an id and 9
+on a float, and a storage unit holds one bytes object per row instead of a
+Python object per token), and comes back as a list. Log-probs come back rounded
+to float32: the trainer makes float32 tensors of them anyway (train/batching.py),
+so no number it computes changes. Scalars travel as plain Python values and the
+free-form columns (finish_reason, label, metadata) as JSON strings, so they come
+back exactly (JSON types: a tuple comes back as a list). A multimodal sample's
+processor tensors (pixel values, audio features, grid sizes) travel as they are,
+never through JSON, and once per put for all the rows that share them (a group's
+rows share their prompt's): as a media row of the same partition, under a key of
+its own, which the rows' `multimodal` column names; a reader looks its rows'
+keys up and gives every row of a key the same dict of tensors, whichever rows
+of the group it read.
 
 A service's column is either one number per row (advantages) or one number
-per response token (reference log-probs: a list per row, as the log-probs).
+per response token (reference log-probs: packed as the log-probs).
 
 Which rows a consumer gets and that it gets each row once is TransferQueue's
 consumption tracking (one task name per consumer). TransferQueue reuses the
@@ -43,6 +52,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -50,8 +60,11 @@ from relax_core.data.sample import Sample
 
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
                   "policy_version", "sample_id", "finish_reason", "label", "metadata", "multimodal")
-# services' (and the trainer's) columns with one value per response token
-TOKEN_COLUMNS = frozenset({"ref_logprobs"})
+# columns with one value per token, each row one packed array of this numpy dtype (`pack_tokens`): a
+# per-token column, of the rollout or of a service, is one line here
+TOKEN_COLUMNS = {"prompt_ids": "int32", "response_ids": "int32", "loss_mask": "int8",
+                 "rollout_logprobs": "float32", "ref_logprobs": "float32"}
+MEDIA = "relax_media"  # the column of a partition's media rows: one `multimodal` dict each (`_to_columns`)
 TRAINER = "trainer"  # the consumer the trainer ranks' rows are claimed for
 SEQ = "relax_seq"  # put order, in each row's custom_meta
 TOKENS = "relax_tokens"  # prompt + response tokens, in each row's custom_meta: what the ranks are balanced by
@@ -138,8 +151,9 @@ class SampleBus:
             pass  # none yet: tq.init would otherwise attach to it and ignore our config
         units = _storage_units()
         # a safety limit, not flow control (the staleness bound is): rows are routed to units by
-        # index modulo units, and TQ reuses indexes, so units fill unevenly; hence the factor 2
-        capacity = 2 * samples_per_step * max_partitions
+        # index modulo units, and TQ reuses indexes, so units fill unevenly; hence the factor 2. A step
+        # holds at most one media row per sample row (one per group in practice): the second factor 2
+        capacity = 2 * 2 * samples_per_step * max_partitions
         conf = OmegaConf.create({
             "controller": {"sampler": _put_order_sampler(), "polling_mode": True},
             "backend": {"storage_backend": "SimpleStorage",
@@ -158,12 +172,18 @@ class SampleBus:
 
     def put(self, step: int, samples: list[Sample]) -> None:
         """Write the rollout fields of `samples` as new rows of partition `step` (callable repeatedly)."""
+        from tensordict import TensorDict
+
         if not samples:
             return
         with self._lock:
             first = self._next_seq.get(step, 0)
             self._next_seq[step] = first + len(samples)
-        data = _to_columns(samples)
+        data, media = _to_columns(samples)
+        if media:  # before the rows that name them: a reader that sees a row finds its media
+            meta = self._client.kv_retrieve_meta(keys=list(media), partition_id=partition_id(step), create=True)
+            self._client.put(TensorDict({MEDIA: plain_column(list(media.values()))}, batch_size=len(media)),
+                             metadata=meta)
         # rows are registered and tagged with their sequence number before any field is written,
         # so the sampler never sees a complete row without its place in the order
         meta = self._client.get_meta(data_fields=list(ROLLOUT_FIELDS), batch_size=len(samples),
@@ -177,26 +197,32 @@ class SampleBus:
         """A service's turn: compute `fn(columns)` for `rows` rows of partition `step` that `consumer` has
         not processed yet and write the result as column `output` of the same rows.
 
-        `fn` gets the `inputs` columns as lists (one value per row) and returns one value per row: a
-        number, or a list of numbers (a per-token column). Several workers of one service share a
+        `fn` gets the `inputs` columns as lists (one value per row: a per-token column's a list, the
+        `multimodal` column's a dict of tensors or None) and returns one value per row: a number, or a
+        list of numbers (a per-token column, one of `TOKEN_COLUMNS`). Several workers of one service share a
         partition by asking for their own number of rows. Returns the number of rows processed;
         they count as processed once read, so rows whose `fn` raised are not offered again.
         """
         meta = self._claim(step, rows, list(inputs), consumer, timeout_s)
-        data = self._client.get_data(meta)
-        self.write(meta, output, fn({name: _column(data[name], meta.size) for name in inputs}), consumer)
+        self.write(meta, output, fn(self._read(meta)), consumer)
         return meta.size
 
     def write(self, meta, name: str, values: list, writer: str) -> None:
         """Write `values`, one per row of `meta` (claimed rows: a number, or a list of numbers for a
-        per-token column), as column `name` of those rows."""
+        per-token column, one of `TOKEN_COLUMNS`), as column `name` of those rows."""
         from tensordict import TensorDict
 
         if len(values) != meta.size:
             raise ValueError(f"{writer}: computed {len(values)} values of {name!r} for {meta.size} rows")
         if meta.size == 0:
             return
-        rows = [[float(x) for x in v] if isinstance(v, (list, tuple)) else float(v) for v in values]
+        if name in TOKEN_COLUMNS:
+            rows = [pack_tokens(v, TOKEN_COLUMNS[name]) for v in values]
+        elif any(isinstance(v, (list, tuple)) for v in values):
+            raise ValueError(f"{writer}: {name!r} has a list per row; a per-token column must be in "
+                             f"relax_core/data/bus.py's TOKEN_COLUMNS, with its dtype")
+        else:
+            rows = [float(v) for v in values]
         self._client.put(TensorDict({name: plain_column(rows)}, batch_size=meta.size), metadata=meta)
 
     def add_field(self, step: int, name: str, consumer: str, fn: Callable[[list[Sample]], list[float]]) -> int:
@@ -247,9 +273,9 @@ class SampleBus:
         """The claimed rows of `meta` as `Sample`s, and the extra `fields` as one value per row."""
         if meta.size == 0:
             return [], {f: [] for f in fields}
-        data = self._client.get_data(meta)
-        extra = {f: [v if f in TOKEN_COLUMNS else scalar(v) for v in _column(data[f], meta.size)] for f in fields}
-        return _to_samples(data, meta.size), extra
+        columns = self._read(meta)
+        extra = {f: columns[f] if f in TOKEN_COLUMNS else [scalar(v) for v in columns[f]] for f in fields}
+        return _samples_of(columns), extra
 
     def take(self, step: int, count: int, fields: tuple[str, ...] = (), consumer: str = TRAINER,
              timeout_s: float = 600) -> tuple[list[Sample], dict[str, list]]:
@@ -282,16 +308,44 @@ class SampleBus:
         done = produced.reshape(produced.shape[0], -1).all(dim=1)
         return int((done & (consumed.reshape(-1) == 0)).sum())
 
+    def _read(self, meta) -> dict[str, list]:
+        """The columns of the claimed rows `meta` as lists, one value per row: per-token columns unpacked,
+        `multimodal` the media its keys name (one dict per key, the same object for every row of a key)."""
+        data = self._client.get_data(meta)
+        columns = {f: _column(data[f], meta.size) for f in meta.field_names}
+        for name in columns.keys() & TOKEN_COLUMNS.keys():
+            columns[name] = [unpack_tokens(row, TOKEN_COLUMNS[name]) for row in columns[name]]
+        if "multimodal" in columns:
+            keys = sorted({key for key in columns["multimodal"] if key is not None})
+            media = {}
+            if keys:
+                found = self._client.kv_retrieve_meta(keys=keys, partition_id=meta.partition_ids[0], create=False)
+                media = dict(zip(keys, _column(self._client.get_data(found.select_fields([MEDIA]))[MEDIA],
+                                               len(keys))))
+            columns["multimodal"] = [None if key is None else media[key] for key in columns["multimodal"]]
+        return columns
+
 
 def _to_columns(samples: list[Sample]):
-    """Samples -> a TensorDict with one column per rollout field.
+    """Samples -> (a TensorDict with one column per rollout field, the media rows: key -> `multimodal`).
 
-    Token ids, log-probs and scalars go as plain Python values, one per row: TransferQueue
-    stores and sends a column row by row, and a small tensor per row costs it three to four
-    times what a list does (128 rows of 21 tokens, put and get of an ids and a reward column:
-    31 ms as tensors, 10 ms as lists). Labels and metadata go as JSON text.
+    Per-token columns go as one packed array per row (`pack_tokens`), scalars as plain Python
+    values, labels and metadata as JSON text. TransferQueue stores and sends a column row by row:
+    raw bytes go inline in its msgpack message, where a tensor per row costs it a pickled header
+    and a message frame of its own, and a list a msgpack number per token (put and get through its
+    serializer, per-token ids and log-probs: 128 rows of 21 tokens 4 ms as bytes, 15 ms as lists,
+    17 ms as tensors; 8 rows of 8704 tokens 19, 61 and 23 ms).
+    Rows that share one `multimodal` object (a group's rows: the rollout manager gives them their
+    prompt's) share one media row: their `multimodal` column holds its key.
     """
     from tensordict import TensorDict
+
+    keys: dict[int, str] = {}  # id(multimodal) -> its media row's key
+    media: dict[str, dict] = {}
+    for s in samples:
+        if s.multimodal is not None and id(s.multimodal) not in keys:
+            keys[id(s.multimodal)] = key = uuid.uuid4().hex
+            media[key] = s.multimodal
 
     def values(name: str, kind):
         return plain_column([kind(getattr(s, name)) for s in samples])
@@ -299,18 +353,35 @@ def _to_columns(samples: list[Sample]):
     def text(name: str):
         return plain_column([json.dumps(getattr(s, name)) for s in samples])
 
+    def tokens(name: str):
+        return plain_column([pack_tokens(getattr(s, name), TOKEN_COLUMNS[name]) for s in samples])
+
     return TensorDict({
-        "prompt_ids": values("prompt_ids", list), "response_ids": values("response_ids", list),
-        "rollout_logprobs": values("rollout_logprobs", list), "loss_mask": values("loss_mask", list),
+        "prompt_ids": tokens("prompt_ids"), "response_ids": tokens("response_ids"),
+        "rollout_logprobs": tokens("rollout_logprobs"), "loss_mask": tokens("loss_mask"),
         "reward": values("reward", float), "group_id": values("group_id", int),
         "policy_version": values("policy_version", int), "sample_id": values("sample_id", int),
         "finish_reason": text("finish_reason"), "label": text("label"), "metadata": text("metadata"),
-        "multimodal": plain_column([s.multimodal for s in samples]),
-    }, batch_size=len(samples))
+        "multimodal": plain_column([None if s.multimodal is None else keys[id(s.multimodal)] for s in samples]),
+    }, batch_size=len(samples)), media
+
+
+def pack_tokens(values, dtype: str) -> bytes:
+    """One row of a per-token column as the raw bytes of a `dtype` array (an id beyond int32 raises)."""
+    import numpy as np
+
+    return np.asarray(values, dtype=dtype).tobytes()
+
+
+def unpack_tokens(row: bytes, dtype: str) -> list:
+    """`pack_tokens` undone: the row as a list of Python numbers."""
+    import numpy as np
+
+    return np.frombuffer(row, dtype=dtype).tolist()
 
 
 def plain_column(rows: list):
-    """One value per row (a number, a string or a list of numbers), stored as Python objects."""
+    """One value per row (a number, a string, bytes or a dict of tensors), stored as Python objects."""
     from tensordict.tensorclass import NonTensorStack
 
     return NonTensorStack(*rows)
@@ -336,10 +407,6 @@ def scalar(value: Any) -> Any:
     while isinstance(value, list):  # a scalar stored as [B] may come back as [B, 1]
         value = value[0]
     return value
-
-
-def _to_samples(data: Any, n: int) -> list[Sample]:
-    return _samples_of({f: _column(data[f], n) for f in ROLLOUT_FIELDS})
 
 
 def _samples_of(cols: dict[str, list]) -> list[Sample]:

@@ -5,7 +5,8 @@ scored by the reward hub, and consumed by the trainer. It is plain Python data
 (lists, not tensors) so it crosses process boundaries (Ray, TransferQueue)
 cheaply and without torch on the sending side; the one exception is
 `multimodal`, the processor's tensors of a prompt's images, video and audio,
-which travel as tensors (TransferQueue stores them as objects, never as JSON).
+which travel as tensors (TransferQueue stores them as objects, never as JSON, once for the
+samples that share them: data/bus.py).
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 One Ray cluster and one bus for the module (TransferQueue allows one per
 cluster); every test writes its own step numbers, so tests do not see each
-other's rows. Expected values are built here, field by field.
+other's rows. Expected values are built here, field by field; log-probs come
+back rounded to float32 (`f32`, by `struct`).
 """
 
+import struct
 
 import pytest
 
@@ -22,10 +24,16 @@ def bus(local_ray):
     bus.close()  # idempotent
 
 
+def f32(values: list[float]) -> list[float]:
+    """`values` rounded to the nearest float32, as the bus stores log-probs."""
+    return [struct.unpack("f", struct.pack("f", v))[0] for v in values]
+
+
 def sample(n: int, group: int, reward: float = 0.0) -> Sample:
-    """A sample whose every field is derived from n, so two calls build equal samples."""
+    """A sample whose every field is derived from n, so two calls build equal samples (its log-probs are
+    float32 numbers: they come back exactly)."""
     return Sample(prompt_ids=[100 + n, 7], response_ids=list(range(n % 4)),
-                  rollout_logprobs=[-0.1 * (k + 1) - n / 3 for k in range(n % 4)],
+                  rollout_logprobs=[-0.125 * (k + 1) - n / 8 for k in range(n % 4)],
                   reward=reward, group_id=group, policy_version=n // 2, label=f"answer-{n}",
                   metadata={"n": n}, finish_reason="stop", sample_id=1000 + n)
 
@@ -46,9 +54,18 @@ def test_round_trip_is_exact_for_odd_lengths_and_free_form_data(bus):
             Sample(prompt_ids=[0], response_ids=[5], rollout_logprobs=[0.0], label=3.25, finish_reason="stop"),
         ]
 
+    import torch
+
     bus.put(0, build())
     taken, extra = bus.take(0, 4)
-    assert taken == build()
+    expected = build()
+    for s in expected:
+        s.rollout_logprobs = f32(s.rollout_logprobs)
+    assert taken == expected
+    assert taken[0].rollout_logprobs == [-0.12345679104328156, -9.999999717180685e-10, -17.5]
+    for got, sent in zip(taken, build()):  # what the trainer computes with: the same float32 tensor
+        assert torch.equal(torch.tensor(got.rollout_logprobs, dtype=torch.float32),
+                           torch.tensor(sent.rollout_logprobs, dtype=torch.float32))
     assert taken[0].sample_id == 70003 and taken[0].loss_mask == [1, 0, 1]
     assert taken[1].response_ids == [] and taken[2].label == [1, "two", 3.0, True]
     assert extra == {}
@@ -173,3 +190,84 @@ def test_claimed_rows_are_split_over_ranks_by_their_tokens(bus):
     assert sorted(s.sample_id for rank in fetched for s in rank) == [500 + i for i in range(8)]
     assert max(tokens) - min(tokens) <= 40  # contiguous halves: 3488 and 44 tokens
     bus.clear(30)
+
+
+def test_an_8k_token_row_and_its_reference_column_come_back_exactly(bus):
+    """Every per-token column of a long row (ids of a 151k vocabulary, a mask with holes, log-probs, the
+    reference service's log-probs) through TransferQueue and back, value for value."""
+    import random
+
+    rng = random.Random(7)
+    prompt = [rng.randrange(151_936) for _ in range(512)]
+    response = [rng.randrange(151_936) for _ in range(8192)] + [151_935]
+    mask = [0 if 3000 <= k < 3500 else 1 for k in range(len(response))]
+    logprobs = [-rng.random() * 12 for _ in response]
+    ref = [-rng.random() * 12 for _ in response]
+    bus.put(40, [Sample(prompt_ids=prompt, response_ids=response, rollout_logprobs=logprobs, loss_mask=mask,
+                        reward=1.0, group_id=9, policy_version=3, sample_id=4001)])
+
+    def reference(columns):
+        assert columns["prompt_ids"] == [prompt] and columns["response_ids"] == [response]
+        return [ref]
+
+    assert bus.process(40, "reference", ("prompt_ids", "response_ids"), "ref_logprobs", reference, 1) == 1
+    (got,), extra = bus.take(40, 1, fields=("ref_logprobs",))
+    assert got.prompt_ids == prompt and got.response_ids == response and got.loss_mask == mask
+    assert got.rollout_logprobs == f32(logprobs) and extra["ref_logprobs"] == [f32(ref)]
+    assert (got.reward, got.group_id, got.policy_version, got.sample_id) == (1.0, 9, 3, 4001)
+    bus.clear(40)
+
+
+def test_a_token_id_beyond_int32_is_refused_not_wrapped(bus):
+    with pytest.raises(OverflowError):
+        bus.put(41, [Sample(prompt_ids=[2**31], response_ids=[1], rollout_logprobs=[-1.0])])
+
+
+def test_a_groups_media_is_stored_once_and_every_row_read_gets_it(bus, monkeypatch):
+    """8 rows of one image prompt put the image's tensor once; a reader of any part of the group, the rows
+    without the group's first row too, gets it on every row, as do the services that read `multimodal`."""
+    import torch
+    from transfer_queue.utils.zmq_utils import ZMQMessage
+
+    from relax_core.data.bus import import_tq
+
+    sent = []  # bytes of every message this process sends (puts go from the putting process)
+    serialize = ZMQMessage.serialize
+
+    def counted(message):
+        frames = serialize(message)
+        sent.append(sum(memoryview(f).nbytes for f in frames))
+        return frames
+
+    pixels = torch.randn(1024, 1176)  # 4.8 MB: 1024 patches of a 448x448 image (Qwen2-VL)
+    image = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 32, 32]])}
+    other = {"pixel_values": torch.randn(64, 1176), "image_grid_thw": torch.tensor([[1, 8, 8]])}
+    rows = [Sample(prompt_ids=[1, 2, 3], response_ids=[4, k], rollout_logprobs=[-0.5, -0.25], group_id=77,
+                   sample_id=600 + k, multimodal=image) for k in range(8)]
+    rows += [Sample(prompt_ids=[9], response_ids=[8], rollout_logprobs=[-1.0], group_id=78, sample_id=608),
+             Sample(prompt_ids=[5], response_ids=[6], rollout_logprobs=[-1.0], group_id=79, sample_id=609,
+                    multimodal=other)]
+    monkeypatch.setattr(ZMQMessage, "serialize", counted)
+    bus.put(42, rows)
+    monkeypatch.setattr(ZMQMessage, "serialize", serialize)
+    tensors = pixels.nbytes + other["pixel_values"].nbytes
+    assert tensors < sum(sent) < 1.1 * tensors  # each image once, not once per row
+
+    def reference(columns):
+        assert [m is not None and torch.equal(m["pixel_values"], pixels) for m in columns["multimodal"]] == \
+            [True] * 3
+        return [[0.0, 0.0]] * 3
+
+    assert bus.process(42, "reference", ("prompt_ids", "multimodal"), "ref_logprobs", reference, 3) == 3
+    meta = bus.claim(42, 10)
+    late, _ = bus.fetch(meta.select_samples([5, 6, 7, 8, 9]))  # a rank given the group's last rows only
+    early, _ = bus.fetch(meta.select_samples([0, 1, 2, 3, 4]))
+    assert [s.sample_id for s in early + late] == [600 + k for k in range(10)]
+    assert late[3].multimodal is None
+    for got, want in [(s, image) for s in early + late[:3]] + [(late[4], other)]:
+        assert got.multimodal.keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(got.multimodal[name], tensor)
+    assert late[0].multimodal is late[2].multimodal  # one tensor in the reader's memory too
+    bus.clear(42)
+    assert "step-42" not in import_tq().get_client().get_partition_list()  # the media rows went with it
