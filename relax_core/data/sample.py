@@ -81,3 +81,11 @@ def length_stats(samples: list[Sample]) -> dict[str, float]:
         return {"response_len_mean": 0.0, "response_len_median": 0.0, "response_len_max": 0.0}
     return {"response_len_mean": fmean(lengths), "response_len_median": float(median(lengths)),
             "response_len_max": float(max(lengths))}
+
+
+def group_order(samples: list[Sample]) -> list[list[Sample]]:
+    """Samples grouped by `group_id`, groups in order of first appearance."""
+    groups: dict[int, list[Sample]] = {}
+    for sample in samples:
+        groups.setdefault(sample.group_id, []).append(sample)
+    return list(groups.values())

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from relax_core.data.prompts import encode_prompt
-from relax_core.data.sample import Sample
+from relax_core.data.sample import Sample, group_order
 from relax_core.rollout.client import (
     EngineClient,
     EngineError,
@@ -47,6 +48,7 @@ from relax_core.rollout.scoring import RewardItem, Scorer, empty_stats
 from relax_core.rollout.turn_batch import TurnBatcher
 
 log = logging.getLogger(__name__)
+GroupSink = Callable[[list[Sample]], Awaitable[None]]  # takes one prompt's scored samples (`generate`'s on_group)
 
 
 @dataclass
@@ -98,23 +100,36 @@ class RolloutManager:
         self.last_reward_stats: dict[str, float] = empty_stats()
         self.agentic = agentic
 
-    async def generate(self, rows: list[dict[str, Any]], step: int) -> list[Sample]:
-        """Responses to `rows` (dicts with prompt, label, metadata), scored."""
+    async def generate(self, rows: list[dict[str, Any]], step: int, on_group: GroupSink | None = None) -> list[Sample]:
+        """Responses to `rows` (dicts with prompt, label, metadata), scored, in the rows' order.
+
+        `on_group`: called with each prompt's scored samples as soon as they are (a stream: the asynchronous
+        modes put each group into TransferQueue at once): each prompt gets its own requests, so a group
+        finishes with its own slowest sample, not the step's. Multi-turn trajectories are handed over once the
+        step's are all done (a failed engine runs them again from their start, multiturn.py)."""
         if self.agentic is not None:
-            return await self._generate_trajectories(rows, step)
+            samples = await self._generate_trajectories(rows, step)
+            if on_group is not None:
+                for group in group_order(samples):
+                    await on_group(group)
+            return samples
         prompts = await self._encode(rows)
-        outputs = await self._generate(prompts, step)
-        raise_if_aborted(list(outputs.values()))
-        n = self.sampling.n_samples_per_prompt
-        built: list[tuple[Sample, str, str | None]] = []
-        for prompt in prompts:
-            row_index = prompt.row_index
-            responses = [outputs[row_index * n + k] for k in range(n)]
-            built += self._samples(responses, rows[row_index], prompt, group_id=step * GROUP_STRIDE + row_index)
-        await self._score(built)
+        scored: dict[int, list[Sample]] = {}
+        self.last_reward_stats = empty_stats()
+
+        async def done(prompt: Prompt, responses: list) -> None:
+            raise_if_aborted(responses)
+            built = self._samples(responses, rows[prompt.row_index], prompt,
+                                  group_id=step * GROUP_STRIDE + prompt.row_index)
+            await self._score(built)
+            scored[prompt.row_index] = [sample for sample, _, _ in built]
+            if on_group is not None:
+                await on_group(scored[prompt.row_index])
+
+        await self._generate(prompts, step, done, per_group=on_group is not None)
         self.last_reward_stats["prompts_skipped"] = float(self.dropped_prompts)  # so far in the run
         self.last_reward_stats["samples_resent"] = float(self.resent)  # so far in the run
-        return [sample for sample, _, _ in built]
+        return [sample for prompt in prompts for sample in scored[prompt.row_index]]
 
     async def _encode(self, rows: list[dict[str, Any]]) -> list[Prompt]:
         """Each row's `Prompt`; rows whose media fail or whose prompt is too long are dropped, counted."""
@@ -135,19 +150,27 @@ class RolloutManager:
                 kept.append(item)
         return kept
 
-    async def _generate(self, prompts: list[Prompt], step: int) -> dict[int, Any]:
-        """Every sample's output, by sample index (row * n + k). The prompts go round-robin to the
-        clients (all n samples of a prompt to one), in requests of at most `max_request_batch`. A request
-        an engine fails (it died, or hung and was ended by the watch) is sent again once the recovery
-        replaced the engine (the same draw where the engine samples by the seed, see the module docstring), and
-        only its one answer is kept."""
+    async def _generate(self, prompts: list[Prompt], step: int, done: Callable[[Prompt, list], Awaitable[None]],
+                        per_group: bool = False) -> None:
+        """Every sample's output: `done(prompt, outputs)` once all n outputs of a prompt are in. The prompts go
+        round-robin to the clients (all n samples of a prompt to one), in requests of at most
+        `max_request_batch` samples (`per_group`: none holds two prompts' samples, so each prompt is done when
+        its own samples are). A request an engine fails (it died, or hung and was ended by the watch) is sent
+        again once the recovery replaced the engine (the same draw where the engine samples by the seed, see
+        the module docstring), and only its one answer is kept."""
         n, size = self.sampling.n_samples_per_prompt, self.sampling.max_request_batch
-        per_engine: list[list[tuple[Prompt, int]]] = [[] for _ in self.clients]
+        per_engine: list[list[list[tuple[Prompt, int]]]] = [[] for _ in self.clients]
         for position, prompt in enumerate(prompts):
-            per_engine[position % len(self.clients)] += [(prompt, prompt.row_index * n + k) for k in range(n)]
-        todo = [(client, flat[i:i + size]) for client, flat in zip(self.clients, per_engine)
+            samples = [(prompt, prompt.row_index * n + k) for k in range(n)]
+            queue = per_engine[position % len(self.clients)]
+            if per_group or not queue:
+                queue.append(samples)
+            else:
+                queue[-1] += samples
+        todo = [(client, flat[i:i + size]) for client, queue in zip(self.clients, per_engine) for flat in queue
                 for i in range(0, len(flat), size)]
         outputs: dict[int, Any] = {}
+        finished: set[int] = set()  # row indexes handed to `done`
         for _ in range(MAX_RECOVERIES + 1):
             failed: list[tuple[list[tuple[Prompt, int]], Exception]] = []
 
@@ -158,10 +181,16 @@ class RolloutManager:
                     failed.append((chunk, exc))
                     return
                 outputs.update((index, out) for (_, index), out in zip(chunk, answers))
+                completed = {prompt.row_index: prompt for prompt, _ in chunk}  # the prompts this request touched
+                for row_index, prompt in completed.items():
+                    indexes = [row_index * n + k for k in range(n)]
+                    if all(i in outputs for i in indexes) and row_index not in finished:
+                        finished.add(row_index)
+                        await done(prompt, [outputs[i] for i in indexes])
 
             await self._watched(asyncio.gather(*(send(client, chunk) for client, chunk in todo)))
             if not failed:
-                return outputs
+                return
             if self.recovery is None:
                 raise failed[0][1]
             # Nothing is in flight now: a safe point to replace engines (controller/recovery.py).
@@ -231,10 +260,9 @@ class RolloutManager:
                     done.append(traj)
                     if traj.reward is None:
                         to_score.append((sample, traj.last_text, row.get("reward")))
+        self.last_reward_stats = empty_stats()
         if to_score:
             await self._score(to_score)
-        else:
-            self.last_reward_stats = empty_stats()
         self.last_reward_stats |= trajectory_stats(done) | self.agentic.step_stats()
         self.last_reward_stats["prompts_skipped"] = float(self.dropped_prompts)
         self.last_reward_stats["samples_resent"] = float(self.resent)
@@ -316,12 +344,14 @@ class RolloutManager:
         loop.run_until_complete(self.aclose())
 
     async def _score(self, built: list[tuple[Sample, str, str | None]]) -> None:
-        """Set every sample's reward in one concurrent hub call (failures score 0 and are counted)."""
+        """Set every sample's reward in one concurrent hub call (failures score 0 and are counted); the
+        step's stats add up its calls (one per prompt when groups stream)."""
         items = [RewardItem(text, sample.label, sample.metadata, reward) for sample, text, reward in built]
         results = await self.reward_hub.score(items)
         for (sample, _, _), result in zip(built, results):
             sample.reward = result.score
-        self.last_reward_stats = dict(self.reward_hub.last_stats)
+        stats = self.last_reward_stats
+        self.last_reward_stats = {key: stats.get(key, 0) + value for key, value in self.reward_hub.last_stats.items()}
 
 
 def raise_if_aborted(outs: list) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relax_core.algorithms.dapo import dynamic_sampling_keep, penalty_for_length
-from relax_core.data.sample import Sample
+from relax_core.data.sample import Sample, group_order
 
 
 @dataclass
@@ -52,14 +52,6 @@ def shape_overlong(samples: list[Sample], max_len: int, cache_len: int, factor: 
             s.reward += penalty
             hit += 1
     return hit
-
-
-def group_order(samples: list[Sample]) -> list[list[Sample]]:
-    """Samples grouped by `group_id`, groups in order of first appearance."""
-    groups: dict = {}
-    for s in samples:
-        groups.setdefault(s.group_id, []).append(s)
-    return list(groups.values())
 
 
 def informative_groups(samples: list[Sample]) -> list[list[Sample]]:
@@ -104,30 +96,52 @@ class Preempted(Exception):
 ROUND_KEY_STRIDE = 10_000_000  # > any step count, so (step, round) keys never collide
 
 
-def rollout_step(step: int, recipe, prompts, manager, loop, stopping: Callable[[], bool]) -> list[Sample]:
+def rollout_step(step: int, recipe, prompts, manager, loop, stopping: Callable[[], bool],
+                 on_group: Callable[[list[Sample]], None] | None = None) -> list[Sample]:
     """The step's scored samples from `prompts` through `manager` (on the caller's event `loop`).
 
+    `on_group(samples)`: called with each prompt group of the step's batch. With one round per step (no
+    dynamic sampling) as soon as the group is generated, scored and shaped, while the others still
+    generate; with DAPO's dynamic sampling once the rounds decided which groups the batch keeps.
     `stopping()` true: the run is stopping, so generation aborted by the engines (controller/preemption.py)
     or a round not yet started raise `Preempted`: the step's samples are dropped.
     """
     from relax_core.rollout.client import EngineError, GenerationAborted
 
     ro, algo = recipe.rollout, recipe.algorithm
+    dynamic = getattr(algo, "dynamic_sampling", None)
+    streams = on_group is not None and not (dynamic is not None and dynamic.enabled)
+    overlong = getattr(algo, "overlong", None)
+    cache_len = overlong.cache_len(ro.max_new_tokens) if overlong is not None and overlong.enabled else 0
+
+    stats = RoundStats(rounds=1)
+
+    async def shaped(group: list[Sample]) -> None:  # what collect_batch does to a round, for one group
+        stats.groups_generated += 1
+        if cache_len > 0:
+            stats.overlong_penalised += shape_overlong(group, ro.max_new_tokens, cache_len, overlong.penalty_factor)
+        on_group(group)
 
     def one_round(round_index: int) -> list[Sample]:
         # Round r > 0 of a step samples with its own seeds and group ids (the manager derives both from this key).
         if stopping():
             raise Preempted(f"step {step} not rolled out: the run is stopping")
         rows = prompts.next_batch(ro.prompts_per_step)
-        return loop.run_until_complete(manager.generate(rows, step + round_index * ROUND_KEY_STRIDE))
+        return loop.run_until_complete(manager.generate(rows, step + round_index * ROUND_KEY_STRIDE,
+                                                        shaped if streams else None))
 
     try:
-        samples, stats = collect_batch(one_round, algo, max_new_tokens=ro.max_new_tokens,
-                                       target_groups=ro.prompts_per_step)
+        if streams:
+            samples = one_round(0)
+        else:
+            samples, stats = collect_batch(one_round, algo, max_new_tokens=ro.max_new_tokens,
+                                           target_groups=ro.prompts_per_step)
+            for group in group_order(samples) if on_group is not None else []:
+                on_group(group)
     except (GenerationAborted, EngineError) as exc:
         if stopping():
             raise Preempted(f"the rollout of step {step} was aborted: the run is stopping") from exc
         raise
-    if getattr(algo, "dynamic_sampling", None) is not None:  # DAPO: log what the rounds did
+    if dynamic is not None:  # DAPO: log what the rounds did
         manager.last_reward_stats = manager.last_reward_stats | stats.as_metrics()
     return samples

@@ -3,8 +3,10 @@
     production thread (per step s = first .. last):
         safe point: wait until the engines hold version >= s - 1 - max_staleness (the staleness bound);
                     hold while the driver changes the engine set; take the new endpoints
-        samples = rollout(s)                 each token carries the version that generated it
-        TransferQueue partition s <- samples; each downstream service is asked to process its share
+        samples = rollout(s)                 each token carries the version that generated it; each prompt
+                                             group goes into TransferQueue partition s as soon as it is
+                                             scored, and a worker of each downstream service is asked to
+                                             process it (they work while the rest of the step generates)
         record s: counts, ids, times, prompt cursor, and the refs of the downstream calls
     weight thread (whenever the trainer publishes a version the engines lack):
         trainer rank 0 broadcasts its newest snapshot while the engines generate: each engine is paused
@@ -32,6 +34,7 @@ step), so the samples are those colocate would use.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -269,10 +272,15 @@ class RolloutService:
         if self._halt.is_set():
             return False
         start = time.perf_counter()
-        samples = rollout_step(step, self.recipe, self.prompts, self.manager, self.loop, self._halt.is_set)
+        calls: list = []
+        groups = itertools.count()
+
+        def put(group: list) -> None:  # each prompt group as soon as it is scored
+            self.bus.put(step, group)
+            calls.extend(self._ask_downstream(step, len(group), next(groups)))
+
+        samples = rollout_step(step, self.recipe, self.prompts, self.manager, self.loop, self._halt.is_set, put)
         generate_s = time.perf_counter() - start
-        self.bus.put(step, samples)
-        calls = self._ask_downstream(step, len(samples))
         with self._cond:
             sync_s, self._sync_s = self._sync_s, 0.0
         record = StepRecord(step, len(samples), [s.sample_id for s in samples], [s.policy_version for s in samples],
@@ -283,15 +291,13 @@ class RolloutService:
             self._cond.notify_all()
         return True
 
-    def _ask_downstream(self, step: int, count: int) -> list:
-        """Each service's workers process the step's rows, each its own contiguous share."""
-        from relax_core.train.batching import shard_bounds
-
+    def _ask_downstream(self, step: int, count: int, turn: int) -> list:
+        """One worker of each service processes `count` rows just put: the workers of a service take the
+        step's groups in turn (`turn`: the group's place in the step)."""
         calls = []
         for name in dict.fromkeys(d.name for d in self.downstream):
             workers = [d for d in self.downstream if d.name == name]
-            bounds = shard_bounds(count, len(workers))
-            calls += [w.handle.process.remote(step, b - a) for w, a, b in zip(workers, bounds, bounds[1:]) if b > a]
+            calls.append(workers[turn % len(workers)].handle.process.remote(step, count))
         self.rows_put += count
         return calls
 
