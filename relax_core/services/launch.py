@@ -65,13 +65,13 @@ class ServiceSet:
             for _ in range(reference_workers(recipe)):
                 handle = worker.options(**placed).remote(model_dir, recipe.model.dtype, recipe.train.micro_batch_size,
                                                          threads, cpus, trust_remote_code(recipe), device)
-                services.downstream.append(Downstream("reference", handle))
+                services.downstream.append(Downstream("reference", handle, batch_rows=recipe.train.micro_batch_size))
             services.fields += (REFERENCE_COLUMN,)
         if advantage_service(recipe):
             algo = recipe.algorithm
             handle = ray.remote(AdvantageWorker).options(**near_engines).remote(
                 algo.spec.advantage_estimator, algo.estimator_kwargs(), cpu_sets.get("rollout"))
-            services.downstream.append(Downstream("advantages", handle))
+            services.downstream.append(Downstream("advantages", handle, whole_step=True))
             services.fields += (ADVANTAGE_COLUMN,)
         return services
 

@@ -5,8 +5,10 @@
                     hold while the driver changes the engine set; take the new endpoints
         samples = rollout(s)                 each token carries the version that generated it; each prompt
                                              group goes into TransferQueue partition s as soon as it is
-                                             scored, and a worker of each downstream service is asked to
-                                             process it (they work while the rest of the step generates)
+                                             scored; the reference workers are asked to process the rows
+                                             a micro-batch at a time as they arrive (they work while the
+                                             rest of the step generates), the advantage service the whole
+                                             step once it is in
         record s: counts, ids, times, prompt cursor, and the refs of the downstream calls
     weight thread (whenever the trainer publishes a version the engines lack):
         trainer rank 0 broadcasts its newest snapshot while the engines generate: each engine is paused
@@ -34,7 +36,6 @@ step), so the samples are those colocate would use.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
@@ -66,11 +67,15 @@ class StepRecord:
 
 @dataclass
 class Downstream:
-    """A service worker asked to process each step after it is put: `handle.process(step, rows)`; the
-    workers of one service (same name) share each step's rows."""
+    """A service worker asked to process rows once they are put: `handle.process(step, rows)`. The workers
+    of one service (same name) share each step's rows. `whole_step`: the service needs all of a step's rows
+    in one call (the advantage service: batch whitening and estimators over the step); else it is asked as
+    the groups stream in, `batch_rows` at a time (its forward's micro-batch) and the rest at the step's end."""
 
     name: str
     handle: Any
+    whole_step: bool = False
+    batch_rows: int = 1
 
 
 class RolloutService:
@@ -272,14 +277,15 @@ class RolloutService:
         if self._halt.is_set():
             return False
         start = time.perf_counter()
-        calls: list = []
-        groups = itertools.count()
+        asking = _Asking(step, self.downstream)
 
         def put(group: list) -> None:  # each prompt group as soon as it is scored
             self.bus.put(step, group)
-            calls.extend(self._ask_downstream(step, len(group), next(groups)))
+            self.rows_put += len(group)
+            asking.put(len(group))
 
         samples = rollout_step(step, self.recipe, self.prompts, self.manager, self.loop, self._halt.is_set, put)
+        calls = asking.finish()
         generate_s = time.perf_counter() - start
         with self._cond:
             sync_s, self._sync_s = self._sync_s, 0.0
@@ -290,16 +296,6 @@ class RolloutService:
             self._records[step] = record
             self._cond.notify_all()
         return True
-
-    def _ask_downstream(self, step: int, count: int, turn: int) -> list:
-        """One worker of each service processes `count` rows just put: the workers of a service take the
-        step's groups in turn (`turn`: the group's place in the step)."""
-        calls = []
-        for name in dict.fromkeys(d.name for d in self.downstream):
-            workers = [d for d in self.downstream if d.name == name]
-            calls.append(workers[turn % len(workers)].handle.process.remote(step, count))
-        self.rows_put += count
-        return calls
 
     def produced(self) -> int:
         """Rows put into TransferQueue so far (the driver's queue depth: these minus those trained)."""
@@ -376,6 +372,40 @@ class _DriverRecovery:
 
         endpoints = await asyncio.to_thread(self.service._await_recovery, describe(error))
         return self.service._clients(endpoints)
+
+
+
+class _Asking:
+    """Who processes which rows of one step: each service is asked as the step's rows arrive, one worker
+    per call in turn, in calls of at least its `batch_rows` rows (a whole-step service once, at the end)."""
+
+    def __init__(self, step: int, downstream: list[Downstream]):
+        self.step = step
+        names = dict.fromkeys(d.name for d in downstream)
+        self.services = [[d for d in downstream if d.name == name] for name in names]
+        self.waiting = [0] * len(self.services)  # rows put that each service was not asked about yet
+        self.turns = [0] * len(self.services)
+        self.calls: list = []
+
+    def put(self, rows: int) -> None:
+        for index, workers in enumerate(self.services):
+            self.waiting[index] += rows
+            if not workers[0].whole_step and self.waiting[index] >= workers[0].batch_rows:
+                self._ask(index)
+
+    def finish(self) -> list:
+        """The calls of the step (the rest of its rows asked about now)."""
+        for index in range(len(self.services)):
+            if self.waiting[index]:
+                self._ask(index)
+        return self.calls
+
+    def _ask(self, index: int) -> None:
+        workers = self.services[index]
+        worker = workers[self.turns[index] % len(workers)]
+        self.calls.append(worker.handle.process.remote(self.step, self.waiting[index]))
+        self.turns[index] += 1
+        self.waiting[index] = 0
 
 
 def sample_stats(samples: list) -> dict[str, float]:
