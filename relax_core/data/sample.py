@@ -67,6 +67,8 @@ class Sample:
     def __post_init__(self) -> None:
         if not self.loss_mask:
             self.loss_mask = [1] * len(self.response_ids)
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"{len(self.token_versions)} token versions for {len(self.response_ids)} response tokens")
 
     @property
     def response_len(self) -> int:

@@ -79,3 +79,26 @@ def test_staleness_metrics_count_tokens_and_samples_that_mix_versions():
         "token_staleness_mean": (3 * 2 + 1 * 1 + 4 * 0 + 2 * 1) / 10, "token_staleness_max": 2.0,
         "multi_version_frac": 1 / 3,
     }
+
+
+def test_a_sample_refuses_token_versions_of_another_length():
+    with pytest.raises(ValueError, match="2 token versions for 3 response tokens"):
+        Sample([1], [2, 3, 4], [0.0] * 3, policy_version=1, token_versions=[1, 2])
+
+
+def test_a_trajectorys_tokens_keep_their_turns_versions_and_environment_tokens_their_turns():
+    from relax_core.rollout.client import GenerateOutput
+    from relax_core.rollout.multiturn import Trajectory
+
+    traj = Trajectory(prompt_ids=[1, 2])
+    traj.add_model(GenerateOutput([5, 6, 7], [-0.1] * 3, "stop", "4", token_versions=[3, 3, 4]), "a", closed=True)
+    traj.add_env([8, 9])  # the answer to a turn that ended under version 4
+    traj.add_model(GenerateOutput([10], [-0.2], "stop", "4", token_versions=[4]), "b", closed=True)
+    sample = traj.sample(group_id=0, sample_id=0, row={})
+    assert sample.token_versions == [3, 3, 4, 4, 4, 4] and sample.policy_version == 3
+    assert sample.loss_mask == [1, 1, 1, 0, 0, 1]
+    steady = Trajectory(prompt_ids=[1])
+    steady.add_model(GenerateOutput([5], [-0.1], "stop", "2", token_versions=[2]), "a", closed=True)
+    steady.add_env([8])
+    assert steady.sample(group_id=0, sample_id=1, row={}).token_versions is None
+    assert steady.sample(group_id=0, sample_id=1, row={}).policy_version == 2
