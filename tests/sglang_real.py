@@ -89,7 +89,7 @@ def _import() -> types.SimpleNamespace:
     stand_ins = _stand_ins()
     sys.modules.update(stand_ins)
     try:
-        from sglang.srt.utils import common, patch_torch
+        from sglang.srt.utils import common, patch_torch, weight_versions
         from sglang.srt.utils.network import NetworkAddress
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except BaseException:
@@ -109,6 +109,7 @@ def _import() -> types.SimpleNamespace:
         patch_torch=patch_torch,
         NetworkAddress=NetworkAddress,
         FlattenedTensorBucket=FlattenedTensorBucket,
+        weight_versions=weight_versions,
     )
 
 
@@ -178,6 +179,21 @@ def _join_and_receive(which: str, init_method: str, world_size: int, rank: int, 
     # teardown at exit, which aborted this child now and then ('terminate called without an active exception').
     dist.barrier(group=group)
     os._exit(0)
+
+
+# ------------------------------------------------------------------ which version made which tokens
+def weight_versions_meta(events: list[list], current_version: str, num_output_tokens: int) -> dict:
+    """The meta_info SGLang 0.5.23 gives a request that finished with `num_output_tokens` output tokens at
+    `current_version`, after weight changes that recorded `events` ([old version, output tokens then], ...):
+    its scheduler's spans (`compute_weight_version_spans`, scheduler_components/output_streamer.py:542-548) as
+    its tokenizer manager adds them (`add_weight_versions_to_meta_info`, tokenizer_manager.py:2560-2568)."""
+    versions = load().weight_versions
+    spans = versions.compute_weight_version_spans(
+        [versions.WeightVersionEvent(old_version=old, num_output_tokens=n) for old, n in events],
+        current_version=current_version, num_output_tokens=num_output_tokens)
+    meta: dict = {"weight_version": current_version}
+    versions.add_weight_versions_to_meta_info(meta, spans, num_output_tokens=num_output_tokens)
+    return meta
 
 
 # ------------------------------------------------------------------ the engine stand-in
@@ -332,8 +348,12 @@ if __name__ == "__main__":
     join.add_argument("--rank", type=int, required=True)
     join.add_argument("--shapes", required=True, help="JSON list of shapes")
     join.add_argument("--out", required=True)
+    spans = sub.add_parser("weight-versions", help="print SGLang's meta_info for JSON [events, version, tokens]")
+    spans.add_argument("request")
     cli = parser.parse_args()
     if cli.role == "engine":
         serve(cli.host, cli.port)
+    elif cli.role == "weight-versions":
+        print(json.dumps(weight_versions_meta(*json.loads(cli.request))))
     else:
         _join_and_receive(cli.which, cli.init_method, cli.world_size, cli.rank, json.loads(cli.shapes), cli.out)

@@ -318,7 +318,8 @@ class Job:
             trainer.prefetch.remote(part, fields, step)
 
     def train_results(self, refs: list) -> tuple[dict[str, float], list, list]:
-        """The metrics of a `train_rows` step, and the ids and policy versions of the samples trained on."""
+        """The metrics of a `train_rows` step, and the ids and version counts (`Sample.version_counts`) of the
+        samples trained on."""
         results = self._ray.get(refs)
         ids = [i for r in results for i in r["sample_ids"]]
         versions = [v for r in results for v in r["versions"]]

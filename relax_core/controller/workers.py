@@ -246,8 +246,9 @@ class TrainerWorker:
     def train_from_bus(self, meta, fields: tuple[str, ...], snapshot_version: int) -> dict[str, Any]:
         """One optimizer step on the rows `meta` claims, read here straight from TransferQueue (the
         driver handed over their metadata only), or (`meta` None) on those `prefetch` read for step
-        `snapshot_version`. Returns the metrics and which samples were trained on (ids and policy versions),
-        for the driver's exactly-once and staleness checks."""
+        `snapshot_version`. Returns the metrics and which samples were trained on (ids, and for each how many
+        of its tokens each policy version generated), for the driver's exactly-once and per-token staleness
+        checks."""
         if meta is None:
             slot = self._slot(snapshot_version)
             slot[0].wait()
@@ -260,7 +261,7 @@ class TrainerWorker:
         meta, samples, extra, fetch_s = fetched
         metrics = self.train_step(samples, extra.get("advantages"), snapshot_version, extra.get("ref_logprobs"))
         return {"metrics": metrics | {"fetch_s": fetch_s}, "sample_ids": [s.sample_id for s in samples],
-                "versions": [s.policy_version for s in samples]}
+                "versions": [s.version_counts() for s in samples]}
 
     def _fetch(self, meta, fields: tuple[str, ...]) -> tuple[Any, list, dict, float]:
         from relax_core.data.bus import SampleBus

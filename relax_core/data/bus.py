@@ -13,7 +13,7 @@ names, no tensors) and hands the claimed metadata to the trainer ranks, which
 read the tensors straight from TransferQueue's storage (`fetch`).
 One partition holds the rows of one training step; each row is
 one `Sample` spread over columns. A column with one value per token (token ids,
-log-probs, loss mask, a service's reference log-probs: `TOKEN_COLUMNS`) travels
+log-probs, loss mask, each token's policy version, a service's reference log-probs: `TOKEN_COLUMNS`) travels
 as one packed array per row, raw bytes of the column's dtype (int32 ids, int8
 mask, float32 log-probs: 4 bytes a token where msgpack spends 5 on an id and 9
 on a float, and a storage unit holds one bytes object per row instead of a
@@ -59,11 +59,11 @@ from typing import Any
 from relax_core.data.sample import Sample
 
 ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "rollout_logprobs", "loss_mask", "reward", "group_id",
-                  "policy_version", "sample_id", "finish_reason", "label", "metadata", "multimodal")
+                  "policy_version", "token_versions", "sample_id", "finish_reason", "label", "metadata", "multimodal")
 # columns with one value per token, each row one packed array of this numpy dtype (`pack_tokens`): a
 # per-token column, of the rollout or of a service, is one line here
 TOKEN_COLUMNS = {"prompt_ids": "int32", "response_ids": "int32", "loss_mask": "int8",
-                 "rollout_logprobs": "float32", "ref_logprobs": "float32"}
+                 "rollout_logprobs": "float32", "token_versions": "int32", "ref_logprobs": "float32"}
 MEDIA = "relax_media"  # the column of a partition's media rows: one `multimodal` dict each (`_to_columns`)
 TRAINER = "trainer"  # the consumer the trainer ranks' rows are claimed for
 SEQ = "relax_seq"  # put order, in each row's custom_meta
@@ -354,14 +354,16 @@ def _to_columns(samples: list[Sample]):
         return plain_column([json.dumps(getattr(s, name)) for s in samples])
 
     def tokens(name: str):
-        return plain_column([pack_tokens(getattr(s, name), TOKEN_COLUMNS[name]) for s in samples])
+        # an empty row stands for None (token_versions: every token at policy_version)
+        return plain_column([pack_tokens(getattr(s, name) or [], TOKEN_COLUMNS[name]) for s in samples])
 
     return TensorDict({
         "prompt_ids": tokens("prompt_ids"), "response_ids": tokens("response_ids"),
         "rollout_logprobs": tokens("rollout_logprobs"), "loss_mask": tokens("loss_mask"),
         "reward": values("reward", float), "group_id": values("group_id", int),
-        "policy_version": values("policy_version", int), "sample_id": values("sample_id", int),
-        "finish_reason": text("finish_reason"), "label": text("label"), "metadata": text("metadata"),
+        "policy_version": values("policy_version", int), "token_versions": tokens("token_versions"),
+        "sample_id": values("sample_id", int), "finish_reason": text("finish_reason"), "label": text("label"),
+        "metadata": text("metadata"),
         "multimodal": plain_column([None if s.multimodal is None else keys[id(s.multimodal)] for s in samples]),
     }, batch_size=len(samples)), media
 
@@ -415,6 +417,7 @@ def _samples_of(cols: dict[str, list]) -> list[Sample]:
                    rollout_logprobs=cols["rollout_logprobs"][i], loss_mask=cols["loss_mask"][i],
                    reward=float(scalar(cols["reward"][i])), group_id=int(scalar(cols["group_id"][i])),
                    policy_version=int(scalar(cols["policy_version"][i])),
+                   token_versions=cols["token_versions"][i] or None,
                    sample_id=int(scalar(cols["sample_id"][i])),
                    finish_reason=json.loads(cols["finish_reason"][i]), label=json.loads(cols["label"][i]),
                    metadata=json.loads(cols["metadata"][i]), multimodal=cols["multimodal"][i])

@@ -31,7 +31,13 @@ class Sample:
         reward: scalar outcome reward.
         group_id: samples answering the same prompt share a group id; the
             advantage estimators normalise within a group.
-        policy_version: the weight version of the engine that generated it.
+        policy_version: the oldest weight version among the tokens that generated it
+            (the one a staleness bound is checked against).
+        token_versions: the weight version that generated each response token, same
+            length as `response_ids`, where the weights changed while it was generated
+            (SGLang's `meta_info["weight_versions"]`); None: every token is
+            `policy_version`'s. Tokens the model did not generate (an environment's)
+            carry their turn's version.
         label: the reference answer the reward compared against.
         metadata: free-form per-sample data from the data set.
         finish_reason: "stop" (EOS or a stop token), "length" or "abort".
@@ -56,19 +62,38 @@ class Sample:
     finish_reason: str = "length"
     sample_id: int = -1
     multimodal: dict[str, Any] | None = None
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.loss_mask:
             self.loss_mask = [1] * len(self.response_ids)
+        if self.token_versions is not None and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"{len(self.token_versions)} token versions for {len(self.response_ids)} response tokens")
 
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
 
+    def version_counts(self) -> dict[int, int]:
+        """How many response tokens each weight version generated (`{policy_version: 0}` for an empty response,
+        so that the sample's version is still checked)."""
+        if not self.token_versions:
+            return {self.policy_version: self.response_len}
+        counts: dict[int, int] = {}
+        for version in self.token_versions:
+            counts[version] = counts.get(version, 0) + 1
+        return counts
+
     @property
     def num_tokens(self) -> int:
         """Prompt and response tokens: what the sample costs a trainer's forward and backward."""
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+def mixed_versions(token_versions: list[int]) -> list[int] | None:
+    """`Sample.token_versions` of a response whose tokens have these versions: None when one version made
+    them all (its `policy_version` says it)."""
+    return list(token_versions) if len(set(token_versions)) > 1 else None
 
 
 def length_stats(samples: list[Sample]) -> dict[str, float]:

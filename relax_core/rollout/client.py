@@ -7,7 +7,7 @@ request and response shapes that SGLang itself has are used here, so code
 tested against the CPU engine runs unchanged on the cluster.
 
 `parse_generate_output` turns one `/generate` result into what a `Sample`
-needs (token ids, their log-probs, finish reason, weight version).
+needs (token ids, their log-probs, finish reason, the weight version of each token).
 
 An `EngineClient` holds an `aiohttp.ClientSession`, opened on first use, which
 belongs to the event loop it is first used on: use it and `aclose()` it inside
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -89,14 +89,38 @@ class GenerateOutput:
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: str
+    weight_version: str  # the engine's at the end (the last token's)
     text: str = ""
     prompt_tokens: int = 0
+    token_versions: list[int] = field(default_factory=list)  # the version that made each output token
 
     @property
     def policy_version(self) -> int:
-        """The weight version as an int (`Sample.policy_version`); 0 for SGLang's "default"."""
-        return int(self.weight_version) if self.weight_version.lstrip("-").isdigit() else 0
+        """The oldest version among the tokens (`Sample.policy_version`: the staleness bound must hold for
+        every token); the end's when the engine reported no tokens' versions."""
+        return min(self.token_versions, default=version_number(self.weight_version))
+
+
+def version_number(version: str) -> int:
+    """An engine's weight version as an int; 0 for SGLang's "default" (the weights it started with)."""
+    return int(version) if version.lstrip("-").isdigit() else 0
+
+
+def token_versions(meta: dict[str, Any], num_tokens: int) -> list[int]:
+    """The version of each of `num_tokens` output tokens, from SGLang's `meta_info["weight_versions"]`
+    (spans `{"version", "start", "end"}`, end exclusive: sglang/srt/utils/weight_versions.py); without it
+    (an engine that reports none) every token is `weight_version`'s."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [version_number(str(meta.get("weight_version", "default")))] * num_tokens
+    versions: list[int] = []
+    for span in spans:
+        if span["start"] != len(versions):
+            raise ValueError(f"weight_versions spans are not contiguous from 0: {spans}")
+        versions += [version_number(str(span["version"]))] * (span["end"] - span["start"])
+    if len(versions) != num_tokens:
+        raise ValueError(f"weight_versions spans cover {len(versions)} tokens of {num_tokens}: {spans}")
+    return versions
 
 
 def parse_generate_output(result: dict[str, Any]) -> GenerateOutput:
@@ -120,6 +144,7 @@ def parse_generate_output(result: dict[str, Any]) -> GenerateOutput:
         weight_version=str(meta.get("weight_version", "default")),
         text=result.get("text", ""),
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        token_versions=token_versions(meta, len(output_ids)),
     )
 
 

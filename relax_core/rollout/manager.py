@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relax_core.data.prompts import encode_prompt
-from relax_core.data.sample import Sample, group_order
+from relax_core.data.sample import Sample, group_order, mixed_versions
 from relax_core.rollout.client import (
     EngineClient,
     EngineError,
@@ -326,7 +326,7 @@ class RolloutManager:
             prompt_ids=list(prompt.prompt_ids), response_ids=out.output_ids, rollout_logprobs=out.logprobs,
             group_id=group_id, policy_version=out.policy_version, label=row.get("label"),
             metadata=metadata, finish_reason=out.finish_reason, sample_id=group_id * n + k,
-            multimodal=prompt.multimodal,
+            multimodal=prompt.multimodal, token_versions=mixed_versions(out.token_versions),
         ), out.text, row.get("reward")) for k, out in enumerate(responses)]
 
     async def set_clients(self, clients: list[EngineClient]) -> None:

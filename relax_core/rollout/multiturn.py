@@ -13,8 +13,10 @@ The budget `rollout.max_new_tokens` covers every token after the prompt, the
 model's and the environment's; an answer that would not fit ends the
 trajectory with finish reason "length". All trajectories of a step run
 concurrently; a prompt's n trajectories go to one engine (behind a router: one
-routing key), so its prefix cache serves every turn. Weights change only
-between steps, so a trajectory has one policy version.
+routing key), so its prefix cache serves every turn. Weights may change
+while a trajectory runs (the asynchronous modes update engines mid-request),
+so each token keeps the version that made it (`Sample.token_versions`); an
+environment's tokens carry the version of the turn they answer.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from relax_core.data.sample import Sample
+from relax_core.data.sample import Sample, mixed_versions
 from relax_core.rollout.chat_turns import ChatTurns
-from relax_core.rollout.client import GenerateOutput, GenerationAborted
+from relax_core.rollout.client import GenerateOutput, GenerationAborted, version_number
 from relax_core.rollout.envs import as_messages, call, environment_factory
 from relax_core.rollout.prompt_prep import Skipped
 
@@ -45,7 +47,8 @@ class Trajectory:
     mask: list[int] = field(default_factory=list)
     turns: int = 0
     finish_reason: str = "stop"
-    version: int = 0
+    versions: list[int] = field(default_factory=list)  # one per response token
+    turn_version: int = 0  # the version of the last model turn's last token
     reward: float | None = 0.0  # None: the reward hub scores `last_text`
     last_text: str = ""
     closed: bool = False  # the last model turn generated the template's closing token
@@ -58,12 +61,15 @@ class Trajectory:
         self.logprobs += out.logprobs
         self.mask += [1] * len(out.output_ids)
         self.turns += 1
-        self.version, self.last_text, self.closed = out.policy_version, text, closed
+        self.versions += out.token_versions
+        self.turn_version = out.token_versions[-1] if out.token_versions else version_number(out.weight_version)
+        self.last_text, self.closed = text, closed
 
     def add_env(self, ids: list[int]) -> None:
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
+        self.versions += [self.turn_version] * len(ids)
 
     def add_info(self, info: dict[str, Any] | None) -> None:
         for key, value in (info or {}).items():
@@ -74,8 +80,9 @@ class Trajectory:
         metadata = dict(row.get("metadata") or {}) | {"turns": self.turns}
         return Sample(prompt_ids=list(self.prompt_ids), response_ids=self.response_ids,
                       rollout_logprobs=self.logprobs, loss_mask=self.mask, reward=self.reward or 0.0,
-                      group_id=group_id, policy_version=self.version, label=row.get("label"), metadata=metadata,
-                      finish_reason=self.finish_reason, sample_id=sample_id)
+                      group_id=group_id, policy_version=min(self.versions, default=self.turn_version),
+                      label=row.get("label"), metadata=metadata, finish_reason=self.finish_reason,
+                      sample_id=sample_id, token_versions=mixed_versions(self.versions))
 
 
 class EnvEpisodes:

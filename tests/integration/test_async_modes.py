@@ -45,7 +45,8 @@ class Watched:
         self.run = run or new_run_dir(tmp_path, "run").create()
         self.job = Job(self.recipe, self.run, cpu_sets=local_cpu_sets(self.recipe))
         self.generated: list[int] = []
-        self.trained: list[tuple[int, list[int], list[int]]] = []  # (step, sample ids, policy versions)
+        # (step, sample ids, each sample's version counts: how many of its tokens each policy version made)
+        self.trained: list[tuple[int, list[int], list[dict[int, int]]]] = []
         self.on_train = lambda step: None
         check = streaming.check_trained
 
@@ -69,7 +70,12 @@ class Watched:
             self.job.close()
 
     def staleness(self) -> list[int]:
-        return [step - 1 - v for step, _, versions in self.trained for v in versions]
+        """Each trained sample's staleness, by its oldest token."""
+        return [step - 1 - min(counts) for step, _, versions in self.trained for counts in versions]
+
+    def token_staleness(self) -> list[int]:
+        """The staleness of every version that made some token of a trained sample."""
+        return [step - 1 - v for step, _, versions in self.trained for counts in versions for v in counts]
 
     def consumed_ids(self) -> list[int]:
         return [i for _, ids, _ in self.trained for i in ids]
@@ -94,10 +100,12 @@ def test_no_consumed_sample_is_older_than_max_staleness_and_logp_old_is_the_step
     assert len(staleness) == 10 * 16
     assert min(staleness) >= 0 and max(staleness) <= bound
     assert max(staleness) > 0  # rollout did run ahead: the bound was exercised, not trivially met
+    assert min(watched.token_staleness()) >= 0 and max(watched.token_staleness()) <= bound
     assert sorted(watched.consumed_ids()) == sorted(watched.generated)
     rows = watched.run.read_metrics()
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["staleness_max"] <= bound and r["queue_depth"] >= 0 for r in rows)
+    assert all(r["token_staleness_max"] <= bound and 0 <= r["multi_version_frac"] <= 1 for r in rows)
     assert [r["logp_old_version"] for r in rows] == list(range(10))
     assert all(r["optimizer_steps"] == 2 for r in rows)
     assert any(r["tis_weight"] != 1.0 for r in rows)  # the importance weight compared it with older policies
@@ -109,7 +117,7 @@ def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_t
     assert watched.run_loop() == "completed"
     assert [step for step, _, _ in watched.trained] == list(range(1, 7))
     for step, _, versions in watched.trained:
-        assert set(versions) == {step - 1}, step
+        assert {v for counts in versions for v in counts} == {step - 1}, step
 
 
 # fully_async from `relax submit` in the default tier: the Slurm scale-out run (test_slurm_launch.py)

@@ -218,6 +218,25 @@ def test_an_8k_token_row_and_its_reference_column_come_back_exactly(bus):
     bus.clear(40)
 
 
+def test_each_tokens_policy_version_reaches_the_trainer_ranks(bus):
+    """A response whose tokens come from versions 6 and 7 (the weights changed while it generated) keeps them
+    token for token through TransferQueue to the ranks' shards; one of a single version keeps None."""
+    mixed = [6] * 700 + [7] * 301
+    rows = [Sample(prompt_ids=[1, 2], response_ids=list(range(1001)), rollout_logprobs=[-0.5] * 1001,
+                   policy_version=6, token_versions=mixed, sample_id=4100),
+            Sample(prompt_ids=[3], response_ids=[4, 5], rollout_logprobs=[-0.25, -0.75], policy_version=7,
+                   sample_id=4101),
+            Sample(prompt_ids=[3], response_ids=[6, 7, 8], rollout_logprobs=[-1.0] * 3, policy_version=2**30,
+                   token_versions=[2**30, 2**30 + 1, 2**30 + 2], sample_id=4102)]
+    bus.put(42, rows)
+    meta = bus.claim(42, 3)
+    got = {s.sample_id: s for shard in bus.rank_shards(meta, 2) for s in bus.fetch(shard)[0]}
+    assert got[4100].token_versions == mixed and got[4100].policy_version == 6
+    assert got[4101].token_versions is None and got[4101].policy_version == 7
+    assert got[4102].token_versions == [2**30, 2**30 + 1, 2**30 + 2]
+    bus.clear(42)
+
+
 def test_a_token_id_beyond_int32_is_refused_not_wrapped(bus):
     with pytest.raises(OverflowError):
         bus.put(41, [Sample(prompt_ids=[2**31], response_ids=[1], rollout_logprobs=[-1.0])])

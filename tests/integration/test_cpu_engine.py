@@ -287,6 +287,62 @@ def test_pause_retract_frees_the_cache_and_continues_each_request_from_its_token
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
 
 
+def test_each_output_token_keeps_the_weight_version_that_made_it_as_sglang_reports_it(engine):
+    """Weights change twice while a greedy request runs (each time: retract, a new version, continue, as the
+    asynchronous modes' sync does). The response's spans end where the request stood at each change, counted
+    here from the engine's generated-token counter while it was paused, and its meta_info is what SGLang's own
+    functions make of those changes (tests/sglang_real.py, in a child process)."""
+    params = {"max_new_tokens": 120, "ignore_eos": True, "temperature": 0}
+
+    async def generated(client: EngineClient) -> int:
+        return (await client.get_model_info())["engine_stats"]["generated_tokens"]
+
+    async def scenario(client: EngineClient):
+        start_version = await client.get_weight_version()
+        plain = await client.generate([3, 4, 5], sampling_params=params)
+        before = await generated(client)
+        task = asyncio.ensure_future(client.generate([3, 4, 5], sampling_params=params, return_logprob=True))
+        counts = []
+        for version in ("101", "102"):
+            await _until_running(client)
+            await client.pause_generation(mode="retract")
+            counts.append(await generated(client) - before)  # the request's output tokens so far
+            await client.update_weight_version(version)
+            await client.continue_generation()
+        mixed = await asyncio.wait_for(task, 60)
+        await client.update_weight_version(start_version)  # the engine is the session's: leave it as it was
+        return start_version, plain["meta_info"], mixed, counts
+
+    start, plain, mixed, (first, second) = run(engine, scenario)
+    assert plain["weight_versions"] == [{"version": start, "start": 0, "end": 120}]
+    assert plain["weight_version"] == start
+    assert 0 < first < second < 120
+    meta = mixed["meta_info"]
+    assert meta["weight_versions"] == [{"version": start, "start": 0, "end": first},
+                                       {"version": "101", "start": first, "end": second},
+                                       {"version": "102", "start": second, "end": 120}]
+    sglang = _sglang_weight_versions([[start, first], ["101", second]], "102", 120)
+    assert {k: meta[k] for k in ("weight_version", "weight_versions")} == sglang
+    out = parse_generate_output(mixed)
+    assert out.token_versions == [0] * first + [101] * (second - first) + [102] * (120 - second)
+    assert out.policy_version == 0 and out.weight_version == "102"
+
+
+def _sglang_weight_versions(events: list[list], version: str, tokens: int) -> dict:
+    """SGLang 0.5.23's meta_info for these weight changes, from its own functions in a child process (importing
+    sglang patches transformers for the whole process: tests/sglang_real.py)."""
+    import json
+    import subprocess
+    import sys
+
+    from engine_fixtures import REPO_ROOT
+
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "sglang_real.py"), "weight-versions",
+                           json.dumps([events, version, tokens])], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
 async def _until_running(client: EngineClient, timeout: float = 20) -> None:
     start = (await client.get_model_info())["engine_stats"]["decode_steps"]
     deadline = time.monotonic() + timeout

@@ -8,8 +8,10 @@ from versions 0 and 1 (staleness 2 and 1), with the behaviour log-probs those we
 third step takes two updates. Every token's numbers are computed by hand from plain forwards of the
 weights involved: logp_old is version 2's, the first update's ratio is exactly 1, the second's is
 exp(logp(version 2 after one update) - logp(version 2)), and the truncated importance weight is
-min(exp(logp(version 2) - logp(behaviour)), C). The runs of both modes at max_staleness 2 with two
-updates per step: tests/integration/test_async_modes.py.
+min(exp(logp(version 2) - logp(behaviour)), C). With partial rollouts (weights that changed while a
+response generated) a row's tokens come from versions 0 and 1: each token's behaviour is its own
+version's. The runs of both modes at max_staleness 2 with two updates per step:
+tests/integration/test_async_modes.py.
 """
 
 from __future__ import annotations
@@ -57,15 +59,51 @@ def plain_logprobs(model, sample: Sample) -> torch.Tensor:
 
 
 def test_ratio_and_importance_weights_per_token_equal_a_hand_computation(model_dir):
+    batch = rows(7, [0, 1, 0, 1, 1, 0, 1, 0])  # staleness 2 and 1 against version 2
+    _third_step_matches_a_hand_computation(model_dir, batch)
+
+
+def test_tokens_of_two_versions_in_one_sample_are_each_weighed_by_their_own_policy(model_dir):
+    """Partial rollouts: the weights changed while a response generated (its engine retracted it, loaded version
+    1, continued), so its first tokens are version 0's and the rest version 1's, each token's behaviour
+    log-prob the one its own version gave with the whole prefix before it. Each token's importance weight is
+    against its own version, and the driver's check and metrics see both versions."""
+    from relax_core.controller.streaming import check_trained, staleness_metrics
+    from relax_core.services.rollout import StepRecord
+
+    batch = rows(8, [0, 0, 0, 1, 0, 1, 0, 1])
+    for k, sample in enumerate(batch):
+        if sample.policy_version == 0 and k % 2 == 0:  # half the version-0 rows continue under version 1
+            cut = sample.response_len // 2
+            sample.token_versions = [0] * cut + [1] * (sample.response_len - cut)
+    assert sum(s.token_versions is not None for s in batch) >= 2
+    _third_step_matches_a_hand_computation(model_dir, batch)
+
+    counts = [s.version_counts() for s in batch]
+    ids = [s.sample_id for s in batch]
+    record = StepRecord(3, len(batch), ids, [], 0.0, 0.0, 0.0, {})
+    check_trained(3, record, ids, counts, max_staleness=2)  # versions 0 and 1 against version 2
+    with pytest.raises(RuntimeError, match="token staleness"):
+        check_trained(3, record, ids, counts, max_staleness=1)  # the version-0 tokens are too old
+    metrics = staleness_metrics(counts, step=3)
+    tokens = [v for s in batch for v in _versions(s)]
+    assert metrics["token_staleness_mean"] == pytest.approx(sum(2 - v for v in tokens) / len(tokens))
+    assert metrics["multi_version_frac"] == sum(s.token_versions is not None for s in batch) / len(batch)
+
+
+def _third_step_matches_a_hand_computation(model_dir, batch: list[Sample]) -> None:
+    """Train versions 1 and 2, then a third step of two updates on `batch` (rows of versions 0 and 1, a row's
+    tokens each of `token_versions`' version where it has them), and compare every token's logp_old, ratio and
+    importance weight with plain forwards of the weights involved."""
     config = TorchTrainerConfig(lr=0.05, micro_batch_size=2, num_mini_batches=2, tis_cap=TIS_CAP, seed=0)
     trainer = TorchTrainer(model_dir, config)
     weights = {0: copy.deepcopy(trainer.model)}
     for version in (1, 2):  # two real steps: versions 1 and 2 of the policy
         trainer.train_step(rows(version, [version - 1] * 8))
         weights[version] = copy.deepcopy(trainer.model)
-    batch = rows(7, [0, 1, 0, 1, 1, 0, 1, 0])  # staleness 2 and 1 against version 2
-    for sample in batch:
-        sample.rollout_logprobs = plain_logprobs(weights[sample.policy_version], sample).tolist()
+    for sample in batch:  # each token's log-prob under the version that generated it, the whole prefix before it
+        by_version = {v: plain_logprobs(weights[v], sample) for v in set(_versions(sample))}
+        sample.rollout_logprobs = [float(by_version[v][t]) for t, v in enumerate(_versions(sample))]
 
     seen: list[tuple] = []  # (update, micro-batch, ratio, importance weight, logp_old) per micro-batch
     after_first_update: dict = {}
@@ -97,7 +135,8 @@ def test_ratio_and_importance_weights_per_token_equal_a_hand_computation(model_d
         for r, sample in enumerate(_rows_of(micro, batch)):
             n = sample.response_len
             start = plain_logprobs(weights[2], sample)  # the weights the step starts from
-            behaviour = torch.tensor(sample.rollout_logprobs)
+            # each token's behaviour: the version that generated it (the sample's own, or its token's)
+            behaviour = torch.stack([plain_logprobs(weights[v], sample)[t] for t, v in enumerate(_versions(sample))])
             now = plain_logprobs(weights[2] if update == 0 else after_first_update["model"], sample)
             torch.testing.assert_close(logp_old[r, :n], start, rtol=0, atol=1e-5)
             torch.testing.assert_close(ratio[r, :n], torch.exp(now - start), rtol=2e-6, atol=1e-5)
@@ -109,6 +148,10 @@ def test_ratio_and_importance_weights_per_token_equal_a_hand_computation(model_d
     assert max(float((r - 1).abs().max()) for r in second) > 1e-3  # the second update's ratio left 1
     weights_seen = torch.cat([w[m.mb.loss_mask.bool()] for _, m, _, w, _ in seen])
     assert float((weights_seen - 1).abs().max()) > 1e-3  # staleness 1 and 2 made the weights differ from 1
+
+
+def _versions(sample: Sample) -> list[int]:
+    return sample.token_versions or [sample.policy_version] * sample.response_len
 
 
 def _rows_of(micro, batch: list[Sample]) -> list[Sample]:

@@ -74,6 +74,8 @@ def test_trainer_broadcast_makes_engine_match_trainer(tiny_model_dir, tmp_path):
     assert 20 <= live["split"] < 400
     assert live["max_diff_before"] < 1e-4 and live["max_diff_after"] < 1e-4
     assert live["reported_version"] == "5" == live["meta_version"]
+    # and the engine says so: version 4 made the tokens before the split the log-probs show, 5 the rest
+    assert live["token_versions"] == [4] * live["split"] + [5] * (400 - live["split"])
     assert result["default_group_sum"] == 3.0  # the trainer's own DP group still works
 
 
@@ -174,6 +176,7 @@ async def _sync_while_generating(model, previous, broadcaster, client, version: 
     return {
         "version": version, "num_buckets": stats.num_buckets, "reported_version": await client.get_weight_version(),
         "meta_version": out.weight_version, "tokens": len(out.output_ids), "split": split,
+        "token_versions": out.token_versions,
         "max_diff_before": max(abs(a - b) for a, b in zip(out.logprobs[:split], old[:split])),
         "max_diff_after": max(abs(a - b) for a, b in zip(out.logprobs[split:], new[split:])),
         "finish_reason": out.finish_reason,

@@ -274,10 +274,10 @@ def test_the_response_fields_the_client_reads_are_ones_sglang_writes():
     read = _strings_read(ast.parse(Path(client_module.__file__).read_text()))
     written = set().union(*IO.values())
     for file in ("srt/managers/tokenizer_manager.py", "srt/entrypoints/http_server.py",
-                 "srt/managers/schedule_batch.py", "srt/entrypoints/v1_loads.py"):
+                 "srt/managers/schedule_batch.py", "srt/entrypoints/v1_loads.py", "srt/utils/weight_versions.py"):
         written |= _strings_written(sglang(file))
     assert read <= written, f"the client reads {read - written}, which SGLang {SGLANG_VERSION} never writes"
-    assert {"meta_info", "output_token_logprobs", "finish_reason", "weight_version"} <= read  # the reader reads
+    assert {"meta_info", "output_token_logprobs", "finish_reason", "weight_version", "weight_versions"} <= read
 
 
 def test_relaxs_drain_check_reads_sglangs_load_report():

@@ -36,6 +36,12 @@ import torch
 from relax_core.models.multimodal import media_marker_ids
 from relax_core.rollout.cpu_engine.kv_batch import KVBatch, ModelRunner
 from relax_core.rollout.cpu_engine.sampling import RowSampling, sample_next
+from relax_core.rollout.cpu_engine.weight_versions import (
+    WeightVersionEvent,
+    WeightVersionSpan,
+    compute_weight_version_spans,
+    record_weight_version_events,
+)
 
 
 @dataclass
@@ -59,6 +65,10 @@ class Sequence:
     # needs (`media_inputs.MediaPrompt`), kept until it finishes (a retracted sequence prefills again).
     media: Any = None
     rope_delta: int = 0  # M-RoPE position of the next token minus its index (0 for text)
+    # weight changes while it ran (kept across a retract, as SGLang's `req.weight_version_events`), and
+    # at its finish the spans of output tokens each version made (weight_versions.py)
+    weight_version_events: list[WeightVersionEvent] = field(default_factory=list)
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -86,7 +96,7 @@ class Batcher:
     """Owns the model; runs prefill/decode steps on its own thread."""
 
     def __init__(self, model, tokenizer, *, max_running: int, seed: int, original_logprob: bool,
-                 media_inputs: Callable | None = None) -> None:
+                 media_inputs: Callable | None = None, weight_version: str = "default") -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.max_running = max_running
@@ -100,6 +110,7 @@ class Batcher:
         self.running: list[Sequence] = []
         self.batch = KVBatch()
         self.hold = False  # paused in place: keep sequences, run no steps
+        self.weight_version = weight_version  # the scheduler's, as SGLang's; changed by `set_weight_version`
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seeds = torch.Generator().manual_seed(seed)
         self._seed_lock = threading.Lock()
@@ -161,6 +172,15 @@ class Batcher:
         self.waiting.extendleft(reversed(retracted))
         self.running, self.batch, self.hold = [], KVBatch(), True
         return len(retracted)
+
+    def set_weight_version(self, new_version: str | None) -> int:
+        """The weights now loaded are `new_version`: each live sequence with output records that its tokens so
+        far are the old version's (SGLang's scheduler.py `record_weight_version_change`; None or the same
+        version changes nothing). Returns how many sequences recorded an event."""
+        if new_version is None or new_version == self.weight_version:
+            return 0
+        old, self.weight_version = self.weight_version, new_version
+        return record_weight_version_events([*self.running, *self.waiting], old_version=old)
 
     def is_idle(self) -> bool:
         return not self.waiting and not self.running
@@ -330,6 +350,8 @@ class Batcher:
 
     def _finish(self, seq: Sequence, reason: dict[str, Any]) -> None:
         seq.finish_reason = reason
+        seq.weight_versions = compute_weight_version_spans(seq.weight_version_events, self.weight_version,
+                                                           len(seq.output_ids))
         self.stats.finished_requests += 1
         seq.on_done(seq)
 

@@ -6,8 +6,13 @@ Sits between the HTTP handler (`server.py`) and the scheduler
     {"text": ..., "output_ids": [...],
      "meta_info": {"id", "finish_reason": {"type": "stop"|"length"|"abort", ...},
                    "prompt_tokens", "completion_tokens", "cached_tokens",
-                   "weight_version", "e2e_latency",
+                   "e2e_latency", "weight_version",
+                   "weight_versions": [{"version", "start", "end"}, ...],
                    "output_token_logprobs": [[logprob, token_id, None], ...]}}
+
+`weight_versions` says which weight version made which output tokens (spans,
+end exclusive; weight_versions.py), `weight_version` is the last span's: as
+SGLang 0.5.23, every finished item has both.
 
 `output_token_logprobs` is present only with `return_logprob`. For a
 multimodal item `prompt_tokens` counts the expanded prompt, as in SGLang. As in SGLang,
@@ -25,6 +30,7 @@ from relax_core.rollout.cpu_engine.batcher import Batcher, Sequence
 from relax_core.rollout.cpu_engine.media_inputs import MediaPrompt
 from relax_core.rollout.cpu_engine.protocol import GenerateReqInput, SamplingParams
 from relax_core.rollout.cpu_engine.sampling import RowSampling
+from relax_core.rollout.cpu_engine.weight_versions import add_weight_versions_to_meta_info
 
 
 @dataclass
@@ -122,9 +128,7 @@ def _row_sampling(params: SamplingParams, batcher: Batcher) -> RowSampling:
     )
 
 
-def build_response(
-    seq: Sequence, params: SamplingParams, return_logprob: bool, tokenizer, weight_version: str
-) -> dict[str, Any]:
+def build_response(seq: Sequence, params: SamplingParams, return_logprob: bool, tokenizer) -> dict[str, Any]:
     """SGLang's response dict for one finished sequence."""
     meta: dict[str, Any] = {
         "id": seq.rid,
@@ -132,9 +136,10 @@ def build_response(
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(seq.output_ids),
         "cached_tokens": seq.cached_tokens,
-        "weight_version": weight_version,
         "e2e_latency": time.perf_counter() - seq.created,
     }
+    # the spans the scheduler computed when it finished (SGLang's output streamer), not the version now
+    add_weight_versions_to_meta_info(meta, seq.weight_versions, len(seq.output_ids))
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
     return {"text": _text(seq, params, tokenizer), "output_ids": list(seq.output_ids), "meta_info": meta}

@@ -94,7 +94,6 @@ class EngineState:
     limits: ModelLimits
     loader: WeightLoader
     memory: MemorySaver
-    weight_version: str = "default"
     media: MediaPreprocessor | None = None  # None: a text-only model
     update_session: bool = False  # between /begin_weight_update and /end_weight_update
     groups: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +106,11 @@ class EngineState:
 
     def __post_init__(self) -> None:
         self.resumed.set()
+
+    @property
+    def weight_version(self) -> str:
+        """The scheduler's version (`Batcher.set_weight_version` changes it between two forward passes)."""
+        return self.batcher.weight_version
 
 
 def create_app(state: EngineState, api_key: str | None = None) -> FastAPI:
@@ -206,7 +210,7 @@ async def _run_generate(state: EngineState, req: GenerateReqInput, media: list |
     state.batcher.submit(seqs)
     done: list[Sequence] = await asyncio.gather(*futures)
     return [
-        build_response(seq, p, flag, state.tokenizer, state.weight_version)
+        build_response(seq, p, flag, state.tokenizer)
         for seq, p, flag in zip(done, params, logprob_flags)
     ]
 
@@ -288,7 +292,6 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
     async def update_weights_from_distributed(obj: UpdateWeightsFromDistributedReqInput) -> Response:
         ok, message = await _update_weights(state, obj)
         if ok and obj.weight_version is not None:
-            state.weight_version = obj.weight_version
             message += f" Weight version updated to {obj.weight_version}."
         return result_response(ok, message)
 
@@ -297,7 +300,8 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
         body = await request.json()
         if body.get("abort_all_requests"):
             await _on_scheduler(state, lambda b: b.abort())
-        state.weight_version = str(body["new_version"])
+        new_version = str(body["new_version"])
+        await _on_scheduler(state, lambda b: b.set_weight_version(new_version))
         return json_response(
             {
                 "success": True,
@@ -350,7 +354,12 @@ async def _update_weights(state: EngineState, obj: UpdateWeightsFromDistributedR
         await _on_scheduler(state, lambda b: b.abort())
     try:
         receive = state.loader.receive_flattened if obj.load_format == "flattened_bucket" else state.loader.receive
-        await _on_scheduler(state, lambda b: receive(group, obj.names, obj.dtypes, obj.shapes))
+
+        def load(batcher: Batcher) -> None:  # the new version from the first token the new weights make
+            receive(group, obj.names, obj.dtypes, obj.shapes)
+            batcher.set_weight_version(obj.weight_version)
+
+        await _on_scheduler(state, load)
     except Exception as exc:  # noqa: BLE001
         return False, f"Failed to update parameter online: {exc}"
     return True, "Succeeded to update parameter online."
@@ -375,7 +384,6 @@ def _add_tensor_routes(app: FastAPI, state: EngineState) -> None:
     async def update_weights_from_tensor(obj: UpdateWeightsFromTensorReqInput) -> Response:
         ok, message = await _update_from_tensor(state, obj)
         if ok and obj.weight_version is not None:
-            state.weight_version = obj.weight_version
             message += f" Weight version updated to {obj.weight_version}."
         return result_response(ok, message)
 
@@ -393,6 +401,7 @@ async def _update_from_tensor(state: EngineState, obj: UpdateWeightsFromTensorRe
 
     def load(batcher: Batcher) -> bool:
         state.loader.load(deserialize_named_tensors(obj.serialized_named_tensors[0]))
+        batcher.set_weight_version(obj.weight_version)
         return batcher.flushable()
 
     try:
@@ -466,6 +475,7 @@ def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: in
         seed=seed,
         original_logprob=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"),
         media_inputs=None if text_only else multimodal.model_inputs,
+        weight_version=weight_version,
     )
     batcher.start()
     limits = ModelLimits(
@@ -475,7 +485,7 @@ def load_engine_state(model_path: str, *, dtype: str, max_running: int, seed: in
     )
     memory = MemorySaver(model, enable_memory_saver)
     media = None if text_only else MediaPreprocessor(model_path, video or {})
-    return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), memory, weight_version, media)
+    return EngineState(model_path, tokenizer, batcher, limits, WeightLoader(model), memory, media)
 
 
 def _check_full_attention(text_config) -> None:
