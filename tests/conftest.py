@@ -34,10 +34,15 @@ def local_ray(tmp_path_factory):
     CPUs: 2 for TransferQueue's controller and storage unit; the project's
     actors hold none, only the train, rollout, judge and reference slots.
     """
+    from multiprocessing import resource_tracker
+
     from relax_core.cluster.local_ray import start_local_ray, stop_local_ray
     from relax_core.cluster.placement import JUDGE_RESOURCE, REFERENCE_RESOURCE, ROLLOUT_RESOURCE, TRAIN_RESOURCE
     from relax_core.rundir import new_run_dir
 
+    # The multiprocessing resource tracker this process may start later (torch's tensor sharing does) lives as
+    # long as pytest: started now, it does not carry the cluster's mark and is not taken for a leaked child.
+    resource_tracker.ensure_running()
     saved_env = dict(os.environ)
     run = new_run_dir(tmp_path_factory.mktemp("ray"), "ray").create()
     temp_dir = start_local_ray(run, num_cpus=4, resources={TRAIN_RESOURCE: 2, ROLLOUT_RESOURCE: 4,
