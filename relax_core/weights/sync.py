@@ -51,6 +51,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from statistics import fmean
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,7 @@ class BroadcastStats:
     num_buckets: int
     total_bytes: int
     seconds: float
-    paused_s: float = 0.0  # while_generating: from the first pause to the last continue (the engines' idle time)
+    paused_s: float = 0.0  # while_generating: each engine's idle time, from its pause to its continue (mean)
 
     @property
     def gbytes_per_s(self) -> float:
@@ -177,8 +178,18 @@ class WeightBroadcaster:
             raise RuntimeError("no weight-update group: call init() (after a failed sync: set_engines())")
         if not while_generating:
             return await self._broadcast(named_tensors, version)
-        start = time.perf_counter()
-        paused = await asyncio.gather(*(c.pause_generation("retract") for c in self.clients), return_exceptions=True)
+        stopped: dict[EngineClient, float] = {}  # when each engine answered that it stopped generating
+
+        async def pause(client: EngineClient) -> None:
+            await client.pause_generation("retract")  # answered once its scheduler took its requests back
+            stopped[client] = time.perf_counter()
+
+        async def resume(client: EngineClient) -> float:
+            await client.continue_generation()
+            return time.perf_counter() - stopped[client]
+
+        paused = await asyncio.gather(*(pause(c) for c in self.clients), return_exceptions=True)
+        idle: list = []
         try:
             failed = next(((c, r) for c, r in zip(self.clients, paused) if isinstance(r, BaseException)), None)
             if failed is not None:
@@ -186,9 +197,9 @@ class WeightBroadcaster:
                                       f"{failed[1]!r}") from failed[1]
             stats = await self._broadcast(named_tensors, version)
         finally:  # every engine that paused generates again, with whatever weights it holds
-            await _bounded(c.continue_generation() for c, was in zip(self.clients, paused)
-                           if not isinstance(was, BaseException))
-        stats.paused_s = time.perf_counter() - start
+            idle = await asyncio.gather(*(asyncio.wait_for(resume(c), CLEANUP_TIMEOUT_S) for c in stopped),
+                                        return_exceptions=True)
+        stats.paused_s = fmean(s for s in idle if isinstance(s, float)) if idle else 0.0
         return stats
 
     async def _broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
