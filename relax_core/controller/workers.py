@@ -343,12 +343,13 @@ class TrainerWorker:
     def set_engines(self, urls: list[str], resend: bool = True) -> None:
         """Rank 0: re-form the weight group for a new set of engines (one added or removed between
         steps); with `resend`, broadcast the weights last sent again, so an added engine holds the
-        version every other engine holds before it gets a request."""
+        version every other engine holds before it gets a request. After a broadcast that failed half-way
+        they are sent again in any case: the engines left hold part of that version under their old label."""
         from relax_core.rollout.client import EngineClient
 
         clients = [EngineClient(url, api_key=self.api_key) for url in urls]
         self.loop.run_until_complete(self.broadcaster.set_engines(clients))
-        if resend and self.sent is not None:
+        if (resend or self.broadcaster.partial is not None) and self.sent is not None:
             self._broadcast(*self.sent)
 
     @property

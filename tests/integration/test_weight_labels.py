@@ -113,3 +113,35 @@ def test_after_a_resume_an_engine_that_joins_gets_the_resumed_version_not_the_we
     finally:
         worker.close()
 
+
+def test_engines_left_after_a_failed_broadcast_get_its_version_whole_before_its_label(
+        tiny_model_dir, servers, one_torch_thread):
+    survivor, dying = servers(2)
+    worker = rank0(tiny_model_dir, overlap=False, urls=[survivor.base_url, dying.base_url])
+    try:
+        train(worker, seed=3)
+        new = weights(worker)
+        live = worker._live_weights
+
+        def dies_half_way():
+            """The second engine dies between two buckets, and the broadcast fails there: between buckets,
+            so that no engine waits in a collective that was given up (gloo cannot end that receive)."""
+            for i, named in enumerate(live()):
+                if i == 6:
+                    dying.proc.kill()
+                    dying.proc.wait()
+                    raise ConnectionError(f"engine {dying.base_url} died")
+                yield named
+
+        worker._live_weights = dies_half_way
+        with pytest.raises(ConnectionError):
+            worker.sync_weights(7)  # colocate's sync: the live weights as version 7
+        worker._live_weights = live
+        label, off = distance(tiny_model_dir, new, survivor.base_url)
+        assert label != "7" and off > 1e-3  # some buckets of it: not labelled with it
+        worker.set_engines([survivor.base_url], resend=False)  # recovery leaves it out: EngineSet.remove
+        label, off = distance(tiny_model_dir, new, survivor.base_url)
+        assert label == "7" and off < 1e-4
+        assert worker.broadcaster.partial is None
+    finally:
+        worker.close()
