@@ -245,7 +245,8 @@ class Job:
                         # on shared GPUs every rank hands its own gathered buckets over: no whole copy kept
                         keep_live=not engines_share_train_gpus(self.recipe),
                         checkpoint_names=engine_kind(self.recipe.rollout.engine).loads_by_checkpoint_names,
-                        megatron=megatron_options(self.recipe), bus=self.mode.bus)
+                        megatron=megatron_options(self.recipe), bus=self.mode.bus,
+                        overlap=self.mode.own_rollout_group)
         return [t.setup.remote(master, how) for t in self.trainers]
 
     def _connect(self) -> None:

@@ -24,7 +24,8 @@ ratio and of the importance weight (the step logs its version,
 `logp_old_version`, always `step - 1`), and PPO's critic values.
 Truncated importance sampling corrects for the samples' age by default in
 both (algorithm.tis_cap). Engine changes requested meanwhile are applied with
-the rollout service held at a safe point (between two batches).
+the rollout service held at a safe point (between two batches); one it does
+not reach in time leaves them requested, for the next step.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from relax_core.services.rollout import StepRecord
 log = logging.getLogger(__name__)
 TAKE_TIMEOUT_S = 3600.0  # one step's rollout; a dead rollout service is noticed at once, not after this
 POLL_S = 0.5  # how often a waiting driver looks at job.stop
+PAUSE_TIMEOUT_S = 600.0  # the rollout's safe point (between two batches) must come within this for an engine change
 
 
 def train_fully_async(job: Job) -> str:
@@ -235,13 +237,19 @@ class RecoveryDesk:
         self._thread.join(timeout=30)
 
 
-def apply_engine_changes(job: Job) -> dict[str, float]:
+def apply_engine_changes(job: Job, pause_timeout_s: float = PAUSE_TIMEOUT_S) -> dict[str, float]:
     """Engines added or removed since the last step, applied with the rollout service held between
-    two batches (an added engine gets the weights before its first request)."""
+    two batches (an added engine gets the weights before its first request). A rollout not held within
+    `pause_timeout_s` has requests in flight: the change stays requested, for the next step."""
+    unchanged = {"engines": float(len(job.engines.urls))}
     if not job.elastic.needs_safe_point:
-        return {"engines": float(len(job.engines.urls))}
+        return unchanged
     rollout, ray = job.services.rollout, job._ray
-    ray.get(rollout.pause.remote())
+    if not ray.get(rollout.pause.remote(pause_timeout_s)):
+        rollout.resume.remote()
+        log.warning("the rollout did not reach a safe point within %.0fs (a step generating, or a weight "
+                    "update); the engines change at the next step", pause_timeout_s)
+        return unchanged
     changed: list[list[str]] = []
     try:
         with job.engine_lock:  # not while the recovery desk replaces an engine

@@ -83,6 +83,9 @@ class RankSetup:
         megatron (`MegatronOptions`): the megatron backend with this parallel layout; None: torch/FSDP2.
         bus: the rows come from TransferQueue (asynchronous modes), imported at set-up rather than in the
             first step's read.
+        overlap: the engines generate while the ranks train (asynchronous modes): what rank 0 sends them is
+            a copy that later steps leave alone, so a resend (an engine joins or replaces one) gives the
+            version it is labelled with, never the weights trained since.
     """
 
     model_dir: str
@@ -93,6 +96,7 @@ class RankSetup:
     checkpoint_names: bool = False
     megatron: Any = None
     bus: bool = False
+    overlap: bool = False
 
 
 class TrainerWorker:
@@ -161,7 +165,7 @@ class TrainerWorker:
             from relax_core.checkpoint.hf_media import checkpoint_named
 
             self._engine_names = checkpoint_named(model_dir)
-        self.keep_live = how.keep_live
+        self.keep_live, self.overlap = how.keep_live, how.overlap
         config = dataclasses.replace(config, device=device)
         if megatron is not None:
             from relax_core.train.megatron.hf_weights import transformers_named
@@ -213,9 +217,12 @@ class TrainerWorker:
         metrics = self.trainer.train_step(samples, advantages, ref_logprobs)
         self._gather_live()
         if snapshot_version is not None and self.rank == 0:
-            copy = self.live if self._collective else set_aside(self._live_weights(), self.trainer.model.parameters())
-            self.snapshot = (snapshot_version, copy)
+            self.snapshot = (snapshot_version, self._set_aside_live())
         return metrics
+
+    def _set_aside_live(self) -> list:
+        """Rank 0: the current weights, which later steps leave alone (`live` is gathered anew each step)."""
+        return self.live if self._collective else set_aside(self._live_weights(), self.trainer.model.parameters())
 
     def offload(self, parts: list[str]) -> None:
         """Hand this rank's GPU back to the engines that share it (colocate on GPU nodes): `parts` "optimizer"
@@ -309,12 +316,15 @@ class TrainerWorker:
 
     def sync_weights(self, version: int | None = None, while_generating: bool = False) -> dict[str, float]:
         """Rank 0: broadcast weights to every engine. `version` given: the live weights as that version
-        (colocate: nothing trains meanwhile); None: the newest snapshot (asynchronous modes, where the engines
-        may be generating: `while_generating`, weights/sync.py)."""
+        (colocate: nothing trains meanwhile; asynchronous modes, a resume's: a copy, as later steps train
+        while the engines keep it); None: the newest snapshot (asynchronous modes, where the engines may be
+        generating: `while_generating`, weights/sync.py)."""
         if self.broadcaster is None:
             return {}
         if version is None:
             version, tensors = self.snapshot
+        elif self.overlap:
+            tensors = self._set_aside_live()
         else:
             tensors = None  # live weights, read lazily bucket by bucket
         self.sent = (version, tensors)
@@ -334,12 +344,13 @@ class TrainerWorker:
     def set_engines(self, urls: list[str], resend: bool = True) -> None:
         """Rank 0: re-form the weight group for a new set of engines (one added or removed between
         steps); with `resend`, broadcast the weights last sent again, so an added engine holds the
-        version every other engine holds before it gets a request."""
+        version every other engine holds before it gets a request. After a broadcast that failed half-way
+        they are sent again in any case: the engines left hold part of that version under their old label."""
         from relax_core.rollout.client import EngineClient
 
         clients = [EngineClient(url, api_key=self.api_key) for url in urls]
         self.loop.run_until_complete(self.broadcaster.set_engines(clients))
-        if resend and self.sent is not None:
+        if (resend or self.broadcaster.partial is not None) and self.sent is not None:
             self._broadcast(*self.sent)
 
     @property

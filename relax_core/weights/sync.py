@@ -31,6 +31,12 @@ tests/benchmarks/bench_weight_sync.py). Only the last bucket carries the new
 tensor has arrived. When the set of engines changes (elastic rollout),
 `set_engines` tears the group down and builds a new one.
 
+A broadcast that fails half-way leaves the engines with some of the new
+version's buckets under their old label: `partial` names that version until a
+broadcast completes, and whoever holds the weights sends it whole again before
+the engines serve (controller/workers.py `set_engines`, also when a failed
+engine is only left out).
+
 An engine that answers an announce with an error (or whose connection
 fails) never posts its side of the broadcast, so rank 0's collective would
 wait for the group's timeout (NCCL: possibly forever). The sync fails at
@@ -130,6 +136,7 @@ class WeightBroadcaster:
         self.timeout = timeout
         self.flatten = backend == "nccl" if flatten is None else flatten
         self.group: dist.ProcessGroup | None = None
+        self.partial: int | None = None  # a failed broadcast's version: the engines hold part of it
 
     @property
     def world_size(self) -> int:
@@ -205,6 +212,7 @@ class WeightBroadcaster:
     async def _broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
         start = time.perf_counter()
         stats = BroadcastStats(version, 0, 0, 0, 0.0)
+        self.partial = version
         results = await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
         opened = [c for c, was in zip(self.clients, results) if was is True]
         try:
@@ -225,6 +233,7 @@ class WeightBroadcaster:
         problem = next((r for r in ended if isinstance(r, BaseException)), None)
         if problem is not None:
             raise WeightSyncError(f"ending the weight update failed: {problem!r}") from problem
+        self.partial = None
         stats.seconds = time.perf_counter() - start
         return stats
 

@@ -255,3 +255,39 @@ def test_fully_async_ppo_trains_as_hybrid_does_and_resumes(local_ray, tmp_path, 
     assert [r["optimizer_steps"] for r in expected] == [0, 2, 2]  # warmup: step 1 trains the critic only
     assert expected[1]["value_loss"] != expected[2]["value_loss"] and expected[1]["vf_clipfrac"] > 0
     assert max(abs(r["ratio_max"] - 1) for r in expected[1:]) > 1e-3  # the second update moved the ratio
+
+
+def test_an_engine_change_waits_when_the_rollout_is_not_held_in_time(local_ray, tmp_path, monkeypatch,
+                                                                     one_torch_thread):
+    """A scale-out is ready to join, but the rollout service's production thread is not at a safe point
+    within the pause's time (here: not generating yet): the engines stay as they are, the scale-out stays
+    requested, and the rollout is let go (it generates step 1 with nobody resuming it). At the next safe
+    point the engine joins."""
+    import time
+
+    from relax_core.controller.streaming import apply_engine_changes
+
+    watched = Watched(tmp_path, monkeypatch, "mode=fully_async", "rollout.max_staleness=1", "train.steps=3")
+    job = watched.job
+    try:
+        code, op = job.elastic.request(delta=1)
+        assert code == 202
+        deadline = time.monotonic() + 180
+        while not job.elastic.needs_safe_point and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert job.elastic.op(op["id"]).state == "healthy"
+
+        assert apply_engine_changes(job, pause_timeout_s=1.0) == {"engines": 1.0}
+        assert job.elastic.op(op["id"]).state == "healthy" and job.elastic.needs_safe_point
+        assert len(job.engines.urls) == 1
+
+        rollout, ray = job.services.rollout, job._ray
+        ray.get(rollout.start.remote(1, 3, job.engines.endpoints(), job.prompts.state_dict(), 0,
+                                     job.services.downstream, job.judge))
+        assert ray.get(rollout.record.remote(1, 120)) is not None  # not held: the failed pause resumed it
+        # step 3 waits for version 1 (max_staleness 1) at its safe point: the pause holds it there
+        stats = apply_engine_changes(job)
+        assert stats["engines"] == 2.0 and stats["engines_added"] == 1.0
+        assert job.elastic.op(op["id"]).state == "active" and not job.elastic.needs_safe_point
+    finally:
+        job.close()
