@@ -20,6 +20,9 @@ import pytest
 import torch
 from engine_fixtures import EngineServer
 
+# The trainer rank in this process imports Ray, which reads its auth settings once per process: the session's
+# cluster (conftest.py) must have set them first, or a later test could not start it.
+pytestmark = pytest.mark.usefixtures("local_ray")
 API_KEY = "labels-key"
 BUCKET_BYTES = 16 << 10  # the tiny model is ~190 KiB: many buckets
 PROMPT = [5, 6, 7, 8]
