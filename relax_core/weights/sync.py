@@ -25,8 +25,10 @@ Python call per tensor, and packing it costs a copy at the GPU memory's speed,
 a small fraction of the link's time. Over gloo (CPU engines) packing and
 taking apart cost two copies at about the speed of the transfer itself, while
 one broadcast per tensor lands straight in the engine's parameters and gloo
-pipelines them: there each tensor goes as it is (`flatten`; measured by
-tests/benchmarks/bench_weight_sync.py). Only the last bucket carries the new
+pipelines them: there large tensors go as they are, and a bucket of small ones
+(`FLAT_BELOW_BYTES` on average), where each collective's fixed cost dominates,
+as one byte tensor (`flatten`; measured by tests/benchmarks/bench_weight_sync.py).
+While the engines generate, the first bucket is packed before they are paused. Only the last bucket carries the new
 `weight_version`, so an engine reports the new version only once every
 tensor has arrived. When the set of engines changes (elastic rollout),
 `set_engines` tears the group down and builds a new one.
@@ -52,6 +54,7 @@ group fails as fast when an engine refuses to join.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -73,6 +76,10 @@ from relax_core.rollout.weight_group import (
 
 NamedTensor = tuple[str, torch.Tensor]
 FLATTENED = "flattened_bucket"  # SGLang's load_format for a bucket sent as one byte tensor
+# Over gloo, a bucket whose tensors average less goes as one byte tensor: measured on this 2-core machine, a
+# 2.3 MiB model (about 60 KiB a tensor) syncs in 8 ms flattened against 11 ms tensor by tensor, a 46 MiB one
+# (about 1.1 MiB a tensor) in 68 ms against 29 ms.
+FLAT_BELOW_BYTES = 256 << 10
 REPORT_GRACE_S = 2.0  # after rank 0's own part failed: how long the engines' calls get to say which engine failed
 CLEANUP_TIMEOUT_S = 30.0  # per engine call after a failure: an engine stuck in the collective answers late or never
 
@@ -97,6 +104,15 @@ class BroadcastStats:
         return self.total_bytes / max(self.seconds, 1e-9) / 1e9
 
 
+@dataclass
+class Bucket:
+    """Tensors sent together: `flat` is their bytes as one tensor when they go that way (`flattened`)."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    flat: torch.Tensor | None
+
+
 class WeightBroadcaster:
     """Rank 0 of the weight-update group; pushes named tensors to all engines.
 
@@ -109,7 +125,8 @@ class WeightBroadcaster:
         backend: "gloo" (CPU engines) or "nccl" (SGLang on GPU).
         bucket_bytes: upper bound of one bucket (a larger tensor goes alone).
         ranks_per_engine: ranks each engine contributes (SGLang: its TP size).
-        flatten: send each bucket as one byte tensor (`load_format="flattened_bucket"`); None: over NCCL only.
+        flatten: send each bucket as one byte tensor (`load_format="flattened_bucket"`); None: over NCCL, and
+            over gloo a bucket of small tensors (`flat_pays`).
     """
 
     def __init__(
@@ -134,7 +151,7 @@ class WeightBroadcaster:
         self.bucket_bytes = bucket_bytes
         self.ranks_per_engine = ranks_per_engine
         self.timeout = timeout
-        self.flatten = backend == "nccl" if flatten is None else flatten
+        self.flatten = flatten
         self.group: dist.ProcessGroup | None = None
         self.partial: int | None = None  # a failed broadcast's version: the engines hold part of it
 
@@ -184,7 +201,7 @@ class WeightBroadcaster:
         if self.group is None:
             raise RuntimeError("no weight-update group: call init() (after a failed sync: set_engines())")
         if not while_generating:
-            return await self._broadcast(named_tensors, version)
+            return await self._broadcast(self._buckets(named_tensors), version)
         stopped: dict[EngineClient, float] = {}  # when each engine answered that it stopped generating
 
         async def pause(client: EngineClient) -> None:
@@ -195,6 +212,9 @@ class WeightBroadcaster:
             await client.continue_generation()
             return time.perf_counter() - stopped[client]
 
+        buckets = self._buckets(named_tensors)
+        first = next(buckets, None)  # packed while the engines still generate: they are paused only to load
+        buckets = itertools.chain([] if first is None else [first], buckets)
         paused = await asyncio.gather(*(pause(c) for c in self.clients), return_exceptions=True)
         idle: list = []
         try:
@@ -202,14 +222,32 @@ class WeightBroadcaster:
             if failed is not None:
                 raise WeightSyncError(f"pausing {failed[0].base_url} for the weight update failed: "
                                       f"{failed[1]!r}") from failed[1]
-            stats = await self._broadcast(named_tensors, version)
+            stats = await self._broadcast(buckets, version)
         finally:  # every engine that paused generates again, with whatever weights it holds
             idle = await asyncio.gather(*(asyncio.wait_for(resume(c), CLEANUP_TIMEOUT_S) for c in stopped),
                                         return_exceptions=True)
         stats.paused_s = fmean(s for s in idle if isinstance(s, float)) if idle else 0.0
         return stats
 
-    async def _broadcast(self, named_tensors: Iterable[NamedTensor], version: int) -> BroadcastStats:
+    def _buckets(self, named_tensors: Iterable[NamedTensor]) -> Iterator[Bucket]:
+        """The tensors in buckets of at most `bucket_bytes`, each ready to send (on the group's device, packed
+        into one byte tensor where that pays), one at a time as the iterator is read."""
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+            tensors = [self._on_device(t) for _, t in bucket]
+            flat = flattened(tensors) if self._flat_pays(tensors) else None
+            yield Bucket([name for name, _ in bucket], tensors, flat)
+
+    def _flat_pays(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether to send a bucket as one byte tensor: over NCCL always (packing runs at the GPU memory's
+        speed); over gloo when its tensors average under FLAT_BELOW_BYTES, where the fixed cost of one
+        collective per tensor outweighs packing them (tests/benchmarks/bench_weight_sync.py)."""
+        if self.flatten is not None:
+            return self.flatten
+        if self.backend == "nccl":
+            return True
+        return sum(t.numel() * t.element_size() for t in tensors) < FLAT_BELOW_BYTES * len(tensors)
+
+    async def _broadcast(self, buckets: Iterator[Bucket], version: int) -> BroadcastStats:
         start = time.perf_counter()
         stats = BroadcastStats(version, 0, 0, 0, 0.0)
         self.partial = version
@@ -219,11 +257,11 @@ class WeightBroadcaster:
             failed = next(((c, r) for c, r in zip(self.clients, results) if isinstance(r, BaseException)), None)
             if failed is not None:
                 raise WeightSyncError(f"weight update failed: {failed[0].base_url}: {failed[1]!r}") from failed[1]
-            for bucket, is_last in _with_last(iter_buckets(named_tensors, self.bucket_bytes)):
+            for bucket, is_last in _with_last(buckets):
                 await self._send_bucket(bucket, str(version) if is_last else None)
                 stats.num_buckets += 1
-                stats.num_tensors += len(bucket)
-                stats.total_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                stats.num_tensors += len(bucket.names)
+                stats.total_bytes += sum(t.numel() * t.element_size() for t in bucket.tensors)
         except BaseException:
             # The others' sessions end, so they serve again (with what they got, until the update is sent again
             # once the failed engine is replaced, controller/recovery.py); the failure is the error to report.
@@ -237,13 +275,12 @@ class WeightBroadcaster:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    async def _send_bucket(self, bucket: list[NamedTensor], weight_version: str | None) -> None:
-        tensors = [self._on_device(t) for _, t in bucket]
-        flat = flattened(tensors) if self.flatten else None
+    async def _send_bucket(self, bucket: Bucket, weight_version: str | None) -> None:
+        tensors, flat = bucket.tensors, bucket.flat
         announce = [
             asyncio.ensure_future(
                 client.update_weights_from_distributed(
-                    names=[name for name, _ in bucket],
+                    names=bucket.names,
                     dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
                     shapes=[list(t.shape) for t in tensors],
                     group_name=self.group_name,

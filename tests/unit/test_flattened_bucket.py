@@ -54,3 +54,22 @@ def _load_one_bucket():
         dist.broadcast = real
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, new[name]), name
+
+
+def test_buckets_of_small_tensors_go_flattened_over_gloo_large_ones_tensor_by_tensor():
+    """Over gloo each collective has a fixed cost: many small tensors go as one byte tensor, large ones as they
+    are (no packing copy); over NCCL every bucket is flattened; `flatten` given overrides both."""
+    from relax_core.weights.sync import FLAT_BELOW_BYTES, WeightBroadcaster
+
+    small = [("a", torch.zeros(64, 64)), ("b", torch.zeros(64))]  # 16 KiB and 256 B
+    large = [("w", torch.zeros(FLAT_BELOW_BYTES // 2, 2)), ("n", torch.zeros(16))]  # ~1 MiB: 512 KiB a tensor
+
+    def flat(bucket, **kwargs) -> list[bool]:
+        sender = WeightBroadcaster([], "127.0.0.1", bucket_bytes=64 << 20, **kwargs)
+        return [b.flat is not None for b in sender._buckets(bucket)]
+
+    assert flat(small) == [True] and flat(large) == [False]
+    assert WeightBroadcaster([], "127.0.0.1", backend="nccl")._flat_pays([t for _, t in large])  # no CUDA here
+    assert flat(small, flatten=False) == [False] and flat(large, flatten=True) == [True]
+    packed = next(WeightBroadcaster([], "127.0.0.1")._buckets(small))
+    assert packed.names == ["a", "b"] and packed.flat.numel() == (64 * 64 + 64) * 4  # the bytes, in order
