@@ -2,7 +2,8 @@
 
 Two steps' worth of rows:
   (a) one 8k-token text row: a 512-token prompt and an 8192-token response (ids of a 151,936-token
-      vocabulary), its log-probs and loss mask, and the reference service's log-probs column;
+      vocabulary), its log-probs and loss mask, each token's policy version (a weight update landed
+      half-way; the older encoding had no such column), and the reference service's log-probs column;
   (b) a group of 8 image samples of one prompt (600 prompt and 512 response tokens each) sharing the
       processor's tensors of one 448x448 image as Qwen2-VL makes them: 32x32 patches of 14 pixels,
       2 frames x 3 channels x 14 x 14 = 1176 values each, so `pixel_values` [1024, 1176] float32
@@ -132,6 +133,8 @@ def text_row(rng: random.Random) -> tuple[list[Sample], list[list[float]]]:
                  rollout_logprobs=[-rng.random() * 10 for _ in range(response)],
                  loss_mask=[1] * response, reward=1.0, group_id=1, policy_version=3, label="42",
                  metadata={"source": "math"}, finish_reason="length", sample_id=10)
+    if hasattr(row, "token_versions"):  # an update landed half-way: this encoding keeps each token's version
+        row.token_versions = [3] * (response // 2) + [4] * (response - response // 2)
     return [row], [[-rng.random() * 10 for _ in range(response)]]
 
 
