@@ -72,6 +72,11 @@ class RolloutConfig(Section):
     max_staleness: int = Field(1, ge=0)
     """`fully_async`/`hybrid`: how many policy versions a consumed sample may lag behind the weights
     being trained (rollout runs that far ahead of training); 0 is on-policy."""
+    max_queue_mb: float | None = Field(None, gt=0)
+    """`fully_async`/`hybrid`: the most MiB of samples TransferQueue holds for the trainer (the rollout
+    columns and media the rollout put, of the steps not yet trained): the rollout starts no further step while
+    they hold more, so long responses or large media cannot fill the storage units' memory however far
+    `max_staleness` would let it run ahead. Null: only `max_staleness` bounds the queue."""
     max_concurrency: int = Field(64, ge=1)
     """Requests in flight per engine."""
     media_workers: int = Field(1, ge=1)

@@ -89,6 +89,10 @@ class Recipe(Section):
 def _mode_problems(r: Recipe) -> list[str]:
     if mode_spec(r.mode).own_rollout_group and not r.cluster.rollout.nodes:
         return [f"cluster.rollout.nodes: mode {r.mode} needs a rollout node group (set it to 1 or more)"]
+    if r.rollout.max_queue_mb is not None and not mode_spec(r.mode).bus:
+        queued = " or ".join(f"mode={m.name}" for m in MODES.values() if m.bus)
+        return [f"rollout.max_queue_mb: mode {r.mode} queues no samples (each step is generated, then trained); "
+                f"it bounds TransferQueue in {queued}: remove it"]
     return _reference_group_problems(r)
 
 

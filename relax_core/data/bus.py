@@ -170,16 +170,17 @@ class SampleBus:
         tq.init()  # a controller runs: this only connects a client to it
         return cls(tq.get_client(), owner=False)
 
-    def put(self, step: int, samples: list[Sample]) -> None:
-        """Write the rollout fields of `samples` as new rows of partition `step` (callable repeatedly)."""
+    def put(self, step: int, samples: list[Sample]) -> int:
+        """Write the rollout fields of `samples` as new rows of partition `step` (callable repeatedly).
+        Returns the bytes of their per-token columns and media (what a row's size grows with)."""
         from tensordict import TensorDict
 
         if not samples:
-            return
+            return 0
         with self._lock:
             first = self._next_seq.get(step, 0)
             self._next_seq[step] = first + len(samples)
-        data, media = _to_columns(samples)
+        data, media, nbytes = _to_columns(samples)
         if media:  # before the rows that name them: a reader that sees a row finds its media
             meta = self._client.kv_retrieve_meta(keys=list(media), partition_id=partition_id(step), create=True)
             self._client.put(TensorDict({MEDIA: plain_column(list(media.values()))}, batch_size=len(media)),
@@ -191,6 +192,7 @@ class SampleBus:
         meta.update_custom_meta([{SEQ: first + i, TOKENS: s.num_tokens} for i, s in enumerate(samples)])
         self._client.set_custom_meta(meta)
         self._client.put(data, metadata=meta)
+        return nbytes
 
     def process(self, step: int, consumer: str, inputs: tuple[str, ...], output: str,
                 fn: Callable[[dict[str, list]], list], rows: int, timeout_s: float = 600) -> int:
@@ -327,7 +329,8 @@ class SampleBus:
 
 
 def _to_columns(samples: list[Sample]):
-    """Samples -> (a TensorDict with one column per rollout field, the media rows: key -> `multimodal`).
+    """Samples -> (a TensorDict with one column per rollout field, the media rows: key -> `multimodal`, the
+    bytes of the per-token columns and the media tensors).
 
     Per-token columns go as one packed array per row (`pack_tokens`), scalars as plain Python
     values, labels and metadata as JSON text. TransferQueue stores and sends a column row by row:
@@ -338,6 +341,7 @@ def _to_columns(samples: list[Sample]):
     Rows that share one `multimodal` object (a group's rows: the rollout manager gives them their
     prompt's) share one media row: their `multimodal` column holds its key.
     """
+    import torch
     from tensordict import TensorDict
 
     keys: dict[int, str] = {}  # id(multimodal) -> its media row's key
@@ -353,9 +357,15 @@ def _to_columns(samples: list[Sample]):
     def text(name: str):
         return plain_column([json.dumps(getattr(s, name)) for s in samples])
 
+    nbytes = sum(t.numel() * t.element_size() for m in media.values() for t in m.values()
+                 if isinstance(t, torch.Tensor))
+
     def tokens(name: str):
+        nonlocal nbytes
         # an empty row stands for None (token_versions: every token at policy_version)
-        return plain_column([pack_tokens(getattr(s, name) or [], TOKEN_COLUMNS[name]) for s in samples])
+        rows = [pack_tokens(getattr(s, name) or [], TOKEN_COLUMNS[name]) for s in samples]
+        nbytes += sum(len(row) for row in rows)
+        return plain_column(rows)
 
     return TensorDict({
         "prompt_ids": tokens("prompt_ids"), "response_ids": tokens("response_ids"),
@@ -365,7 +375,7 @@ def _to_columns(samples: list[Sample]):
         "sample_id": values("sample_id", int), "finish_reason": text("finish_reason"), "label": text("label"),
         "metadata": text("metadata"),
         "multimodal": plain_column([None if s.multimodal is None else keys[id(s.multimodal)] for s in samples]),
-    }, batch_size=len(samples)), media
+    }, batch_size=len(samples)), media, nbytes
 
 
 def pack_tokens(values, dtype: str) -> bytes:

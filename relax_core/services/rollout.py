@@ -1,7 +1,8 @@
 """The rollout service: engines' client, rollout manager and reward hub in their own process.
 
     production thread (per step s = first .. last):
-        safe point: wait until the engines hold version >= s - 1 - max_staleness (the staleness bound);
+        safe point: wait until the engines hold version >= s - 1 - max_staleness (the staleness bound)
+                    and the steps not yet trained hold less than rollout.max_queue_mb of TransferQueue;
                     hold while the driver changes the engine set; take the new endpoints
         samples = rollout(s)                 each token carries the version that generated it; each prompt
                                              group goes into TransferQueue partition s as soon as it is
@@ -110,6 +111,7 @@ class RolloutService:
         self.engine_version = 0
         self.downstream: list[Downstream] = []
         self.rows_put = 0
+        self._queued: dict[int, int] = {}  # step -> bytes put into TransferQueue, until the step is trained
         self._version = 0  # newest version the trainer published
         self._cond = threading.Condition()
         self._halt = threading.Event()
@@ -163,8 +165,11 @@ class RolloutService:
         self._weights.start()
 
     def publish(self, version: int) -> None:
+        """The trainer trained step `version` (its rows leave TransferQueue): the engines should get it."""
         with self._cond:
             self._version = max(self._version, version)
+            for step in [s for s in self._queued if s <= version]:
+                del self._queued[step]
             self._cond.notify_all()
 
     def record(self, step: int, timeout_s: float) -> StepRecord | None:
@@ -280,7 +285,9 @@ class RolloutService:
         asking = _Asking(step, self.downstream)
 
         def put(group: list) -> None:  # each prompt group as soon as it is scored
-            self.bus.put(step, group)
+            nbytes = self.bus.put(step, group)
+            with self._cond:
+                self._queued[step] = self._queued.get(step, 0) + nbytes
             self.rows_put += len(group)
             asking.put(len(group))
 
@@ -309,8 +316,8 @@ class RolloutService:
             with self._cond:
                 self._at_safe_point = True
                 self._cond.notify_all()
-                while ((self.engine_version < needed_version or self._hold) and self._sync_failed is None
-                       and not self._halt.is_set()):
+                while ((self.engine_version < needed_version or self._hold or self._queue_full())
+                       and self._sync_failed is None and not self._halt.is_set()):
                     self._cond.wait(WAIT_S)
                 self._at_safe_point = False
                 failed, endpoints, self._endpoints = self._sync_failed, self._endpoints, None
@@ -319,6 +326,12 @@ class RolloutService:
             if failed is None or self._halt.is_set():
                 return time.perf_counter() - start
             self._recover_sync(*failed)
+
+    def _queue_full(self) -> bool:
+        """`rollout.max_queue_mb`: the steps not yet trained hold that much of TransferQueue (call holding
+        `_cond`; an empty queue is never full, so a step larger than the budget still goes, alone)."""
+        budget = self.recipe.rollout.max_queue_mb
+        return budget is not None and bool(self._queued) and sum(self._queued.values()) >= budget * 2**20
 
     def _recover_sync(self, error: Exception, version: int) -> None:
         """A weight update failed (an engine died): once the driver replaced it, every engine holds the

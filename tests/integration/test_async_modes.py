@@ -120,6 +120,27 @@ def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_t
         assert {v for counts in versions for v in counts} == {step - 1}, step
 
 
+@pytest.mark.parametrize("budget", [None, 0.0001])
+def test_max_queue_mb_keeps_the_rollout_from_queueing_more_than_its_bytes(local_ray, tmp_path, monkeypatch, budget,
+                                                                          one_torch_thread):
+    """`rollout.max_queue_mb`: a step's rows (16 samples of 2 + 2 tokens) hold about 500 bytes of token
+    columns, so a 105-byte budget lets TransferQueue hold one untrained step at a time (an empty queue takes a
+    step larger than the budget), where `max_staleness` 3 alone lets the rollout run up to three steps ahead."""
+    overrides = ("mode=fully_async", "rollout.max_staleness=3", "train.steps=8")
+    limit = () if budget is None else (f"rollout.max_queue_mb={budget}",)
+    watched = Watched(tmp_path, monkeypatch, *overrides, *limit)
+    assert watched.run_loop() == "completed"
+    assert Counter(watched.consumed_ids()) == Counter(watched.generated)
+    rows = watched.run.read_metrics()
+    depth = max(r["queue_depth"] for r in rows)  # rows put but not yet trained, as each step's records are written
+    print(f"max_queue_mb={budget}: queue depth up to {depth:.0f} rows")
+    if budget is None:
+        assert depth > 16  # the rollout ran more than a step ahead
+    else:
+        assert depth <= 16  # the next step's rows at most
+        assert sum(r["rollout_idle_s"] for r in rows[1:]) > 0  # the rollout waited for the queue to drain
+
+
 def test_updates_land_mid_response_each_token_keeps_its_version_and_the_copy_task_still_learns(
         local_ray, tmp_path, monkeypatch, one_torch_thread):
     """The quick start with 6-character answers: the weight thread sends each version as soon as it is

@@ -199,3 +199,9 @@ def test_schema_imports_nothing_heavy():
             "print(sorted(m for m in ('torch','ray','transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_queue_budget_outside_the_asynchronous_modes_is_refused_naming_it(tmp_path):
+    problem = problem_of(tmp_path, MINIMAL, ["mode=colocate", "rollout.max_queue_mb=512"])
+    assert "rollout.max_queue_mb" in problem and "mode=fully_async" in problem and "remove it" in problem
+    assert "max_queue_mb" in problem_of(tmp_path, MINIMAL, ["rollout.max_queue_mb=0"])  # must be above 0
