@@ -302,6 +302,9 @@ class Batcher:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """Append one sampled token to each sequence; return the rows still running."""
         tokens, logprobs = sample_next(logits, [s.sampling for s in seqs], self.original_logprob, self.banned)
+        # Counted before any sequence finishes: a finished request's answer may reach its client (and a
+        # read of the counter after it) before this loop ends.
+        self.stats.generated_tokens += len(seqs)
         alive = []
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens, logprobs)):
             seq.output_ids.append(token)
@@ -311,7 +314,6 @@ class Batcher:
                 alive.append(i)
             else:
                 self._finish(seq, reason)
-        self.stats.generated_tokens += len(seqs)
         return alive
 
     def _finish_reason(self, seq: Sequence) -> dict[str, Any] | None:
