@@ -120,7 +120,11 @@ def test_max_staleness_zero_is_on_policy(local_ray, tmp_path, monkeypatch, one_t
         assert {v for counts in versions for v in counts} == {step - 1}, step
 
 
-@pytest.mark.parametrize("budget", [None, 0.0001])
+BOUNDED_QUEUE = ("tests/integration/test_async_modes.py::"
+                 "test_max_queue_mb_keeps_the_rollout_from_queueing_more_than_its_bytes[0.0001]")
+
+
+@pytest.mark.parametrize("budget", [pytest.param(None, marks=pytest.mark.full(covered_by=BOUNDED_QUEUE)), 0.0001])
 def test_max_queue_mb_keeps_the_rollout_from_queueing_more_than_its_bytes(local_ray, tmp_path, monkeypatch, budget,
                                                                           one_torch_thread):
     """`rollout.max_queue_mb`: a step's rows (16 samples of 2 + 2 tokens) hold about 500 bytes of token
@@ -278,6 +282,7 @@ def test_fully_async_ppo_trains_as_hybrid_does_and_resumes(local_ray, tmp_path, 
     assert max(abs(r["ratio_max"] - 1) for r in expected[1:]) > 1e-3  # the second update moved the ratio
 
 
+@pytest.mark.full(covered_by=SLURM_FULLY_ASYNC)  # the Slurm scale-out joins engines at the rollout's safe points
 def test_an_engine_change_waits_when_the_rollout_is_not_held_in_time(local_ray, tmp_path, monkeypatch,
                                                                      one_torch_thread):
     """A scale-out is ready to join, but the rollout service's production thread is not at a safe point
