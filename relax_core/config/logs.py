@@ -17,6 +17,13 @@ class WandbConfig(Section):
     """The W&B project (default: the recipe's name)."""
 
 
+class ClearMLConfig(Section):
+    """ClearML (`logging.backends: [clearml]`)."""
+
+    project: str | None = None
+    """The ClearML project (default: the recipe's name); the task is named after the run directory."""
+
+
 class LoggingConfig(Section):
     """Where runs and metrics go."""
 
@@ -28,9 +35,15 @@ class LoggingConfig(Section):
     listed; `[]` or `[jsonl]`: nothing else). `tensorboard`: event files in RUN/tensorboard. `wandb`:
     a W&B run in RUN/wandb, offline unless `WANDB_MODE=online` is in the driver's environment (upload it
     later with `wandb sync RUN/wandb/offline-run-*`); its id is kept in RUN/wandb_run_id, so a resumed or
-    requeued run continues the same W&B run. Each is imported only when listed."""
+    requeued run continues the same W&B run. `clearml`: a ClearML task, offline in RUN/clearml/offline/
+    unless `CLEARML_OFFLINE_MODE=0` is in the driver's environment (upload it later with
+    `clearml-task --import-offline-session RUN/clearml/offline/<task id>.zip`); its id is kept in
+    RUN/clearml_task_id, so a resumed or requeued run continues the same task. Each is imported only when
+    listed."""
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     """W&B settings (read when `backends` lists wandb)."""
+    clearml: ClearMLConfig = Field(default_factory=ClearMLConfig)
+    """ClearML settings (read when `backends` lists clearml)."""
     notify: list[str] = Field(default_factory=list)
     """Apprise URLs that get the run's events (started, a summary every `notify_every` steps, checkpoints,
     engine restarts, stopped, requeued, finished, failed with its cause): `ntfy://`, `slack://`,
@@ -48,10 +61,12 @@ class LoggingConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _wandb_settings_need_wandb(self) -> LoggingConfig:
-        if self.wandb != WandbConfig() and "wandb" not in self.backends:  # a setting nothing would read
-            raise ValueError("logging.wandb is set but logging.backends does not list wandb: add wandb to "
-                             "logging.backends, or drop logging.wandb")
+    def _settings_need_their_backend(self) -> LoggingConfig:
+        for name, settings, default in (("wandb", self.wandb, WandbConfig()),
+                                        ("clearml", self.clearml, ClearMLConfig())):
+            if settings != default and name not in self.backends:  # a setting nothing would read
+                raise ValueError(f"logging.{name} is set but logging.backends does not list {name}: add {name} "
+                                 f"to logging.backends, or drop logging.{name}")
         return self
 
     @field_validator("notify")

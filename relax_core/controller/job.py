@@ -92,18 +92,28 @@ class Job:
         try:
             self._start_processes()
             self.tracker = MetricsTracker(run.metrics, run.tensorboard if recipe.logging.uses("tensorboard") else None,
-                                          recipe.train.steps, console, wandb=self._wandb_run())
+                                          recipe.train.steps, console, trackers=self._trackers())
         except BaseException:
             self.close()  # a failed set-up stops what it already started before the error propagates
             raise
 
-    def _wandb_run(self):
-        if not self.recipe.logging.uses("wandb"):
-            return None
-        from relax_core.metrics.wandb_run import WandbRun, wandb_config
+    def _trackers(self) -> list:
+        """The remote trackers `logging.backends` lists, each started at the first step."""
+        from relax_core.metrics.tracker import public_recipe
 
-        project = self.recipe.logging.wandb.project or self.recipe.name
-        return WandbRun(self.run.path, project, wandb_config(self.recipe.model_dump(mode="json")))
+        logging_ = self.recipe.logging
+        config = public_recipe(self.recipe.model_dump(mode="json"))
+        trackers = []
+        if logging_.uses("wandb"):
+            from relax_core.metrics.wandb_run import WandbRun
+
+            trackers.append(WandbRun(self.run.path, logging_.wandb.project or self.recipe.name, config))
+        if logging_.uses("clearml"):
+            from relax_core.metrics.clearml_run import ClearMLRun
+
+            trackers.append(ClearMLRun(self.run.path, logging_.clearml.project or self.recipe.name,
+                                       self.run.path.name, config, self.run.logs / "clearml.log"))
+        return trackers
 
     # ------------------------------------------------------------ start-up
     def _start_processes(self) -> None:

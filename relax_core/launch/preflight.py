@@ -219,9 +219,10 @@ def unavailable_features(recipe: Recipe) -> list[str]:
     wrong key). Refused by `relax submit` on every executor and by `relax validate`."""
     problems = _engine_problems(recipe) + _media_model_problems(recipe)
     problems += [line for missing in MISSING for line in missing.check(recipe)]
-    if recipe.logging.uses("wandb") and importlib.util.find_spec("wandb") is None:
-        problems.append("logging.backends: wandb is not installed here: pip install 'relax-rl[wandb]' "
-                        "(-e '.[wandb]' in a checkout), or drop it from the list")
+    for name in ("wandb", "clearml"):
+        if recipe.logging.uses(name) and importlib.util.find_spec(name) is None:
+            problems.append(f"logging.backends: {name} is not installed here: pip install 'relax-rl[{name}]' "
+                            f"(-e '.[{name}]' in a checkout), or drop it from the list")
     return problems
 
 
@@ -268,8 +269,6 @@ def _agentic_media_problems(recipe: Recipe) -> list[str]:
 # What a recipe can ask for that this version has no code for: the one list `unavailable_features` refuses
 # from and `relax doctor` shows. The version that builds one deletes its entry.
 MISSING = (
-    _asked("logging.backends", "clearml", "use wandb (offline works without a network) or tensorboard",
-           lambda r: r.logging.uses("clearml")),
     _asked("train.context_parallel", "context parallelism with train.backend=megatron (megatron-core's needs "
            "Transformer Engine's attention)", "set it to 1",
            lambda r: _megatron(r) and r.train.context_parallel > 1),

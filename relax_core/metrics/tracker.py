@@ -1,8 +1,9 @@
-"""Per-step metrics: `metrics.jsonl`, TensorBoard, W&B, and the console progress line.
+"""Per-step metrics: `metrics.jsonl`, TensorBoard, W&B, ClearML, and the console progress line.
 
 The controller calls `log(step, metrics)` once per training step. The JSONL
 file is the source of truth (`relax status` and `relax plot` read it);
-TensorBoard and W&B (`wandb_run.py`) get every numeric value; the driver
+TensorBoard, W&B (`wandb_run.py`) and ClearML (`clearml_run.py`) get every
+numeric value, the last two with the recipe as configuration (`public_recipe`); the driver
 log gets one line per step, and so does the console, unless it is a terminal:
 there one live line (rich) shows the step, a bar, the elapsed time, the ETA and
 the latest figures, and what else the run prints appears above it.
@@ -39,12 +40,24 @@ PROGRESS_FIELDS = (
 )
 
 
+def public_recipe(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The recipe as a tracker's configuration, without the values of environment variables (`cluster.*.env`,
+    `cluster.container.env`, their names kept): they may hold tokens, and an online tracker uploads it."""
+    def scrub(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: sorted(v) if k == "env" and isinstance(v, dict) else scrub(v) for k, v in value.items()}
+        return value
+
+    return scrub(recipe)
+
+
 class MetricsTracker:
     def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, total_steps: int, console=None,
-                 wandb=None):
-        """`wandb`: a `wandb_run.WandbRun`, or None."""
+                 trackers: tuple = ()):
+        """`trackers`: the remote trackers the recipe lists (`wandb_run.WandbRun`, `clearml_run.ClearMLRun`),
+        each with `log(step, metrics)` and `close()`."""
         self.metrics_file = metrics_file
-        self.wandb = wandb
+        self.trackers = tuple(trackers)
         self.tensorboard_dir = tensorboard_dir
         self.total_steps = total_steps
         self.console = console
@@ -71,8 +84,8 @@ class MetricsTracker:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     writer.add_scalar(key, value, step)
             writer.flush()
-        if self.wandb is not None:
-            self.wandb.log(step, metrics)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
         line = progress_line(row, self.total_steps)
         log.info(line)
         if self.console is None:
@@ -98,8 +111,8 @@ class MetricsTracker:
             self._live.close()
         if self._writer is not None:
             self._writer.close()
-        if self.wandb is not None:
-            self.wandb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 class EventWriter:

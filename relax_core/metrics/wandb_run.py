@@ -16,8 +16,9 @@
 - wandb is imported only here, at the first step, and its console capture
   is off (the driver's own log lines stay as they are).
 - Nothing that may hold a token is recorded: the config is the recipe with
-  the values of its environment variables removed (their names kept), and
-  W&B's metadata record (the command line, with the overrides) is off.
+  the values of its environment variables removed (their names kept:
+  `tracker.public_recipe`), and W&B's metadata record (the command line, with
+  the overrides) is off.
 """
 
 from __future__ import annotations
@@ -31,17 +32,6 @@ from typing import Any
 
 ID_FILE = "wandb_run_id"
 ID_CHARS = string.ascii_lowercase + string.digits
-
-
-def wandb_config(recipe: dict[str, Any]) -> dict[str, Any]:
-    """The recipe as the W&B run's config, without the values of environment variables (`cluster.*.env`,
-    `cluster.container.env`): they may hold tokens, and an online run uploads its config."""
-    def scrub(value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: sorted(v) if k == "env" and isinstance(v, dict) else scrub(v) for k, v in value.items()}
-        return value
-
-    return scrub(recipe)
 
 
 class WandbRun:

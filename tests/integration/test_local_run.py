@@ -126,9 +126,11 @@ def test_convert_ckpt_refuses_damaged_or_missing_checkpoints(quickstart_run, tmp
 
 SMALL = ["rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "checkpoint.interval=2",
          "checkpoint.keep_last=5", "logging.backends=[]"]
-# The resumed run also logs to an offline W&B run (the trackers' test shares it): trackers change no weight.
-WANDB = ["logging.backends=[jsonl,wandb]", "logging.wandb.project=relax-test",
-         "cluster.train.env={RELAX_TEST_TOKEN: hunter2}"]
+# The resumed run also logs to an offline W&B run and an offline ClearML task (the trackers' tests share it):
+# trackers change no weight. A token in the recipe's environment and one in the driver's.
+WANDB = ["logging.backends=[jsonl,wandb,clearml]", "logging.wandb.project=relax-test",
+         "logging.clearml.project=relax-test", "cluster.train.env={RELAX_TEST_TOKEN: hunter2}"]
+DRIVER_SECRET = {"RELAX_TEST_SECRET": "hunter3-of-the-driver"}
 
 
 def final_weights(run: Path, tmp: Path, iteration: int) -> dict[str, torch.Tensor]:
@@ -156,11 +158,11 @@ def resumed_runs(tmp_path_factory) -> dict:
                      "--run-dir", "straight", cwd=cwd)
     assert straight.returncode == 0, straight.stderr[-3000:]
     first = relax("submit", str(QUICKSTART), "train.steps=2", *SMALL, *WANDB, "--executor", "local",
-                  "--run-dir", "resumed", cwd=cwd)
+                  "--run-dir", "resumed", cwd=cwd, env=DRIVER_SECRET)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run_id = (cwd / "resumed" / "wandb_run_id").read_text().strip()
     second = relax("submit", str(QUICKSTART), "train.steps=4", *SMALL, *WANDB, "--executor", "local",
-                   "--run-dir", "resumed", cwd=cwd)
+                   "--run-dir", "resumed", cwd=cwd, env=DRIVER_SECRET)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     return {"cwd": cwd, "second": second, "run_id": run_id, "wandb_before": before}
 
@@ -206,6 +208,32 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(resumed
     # The recipe is the run's config, without the values of environment variables (tokens, often).
     assert all(b"RELAX_TEST_TOKEN" in f.read_bytes() and b"hunter2" not in f.read_bytes() for f in files)
     assert wandb_processes() <= resumed_runs["wandb_before"]  # wandb's service ended with the run
+
+
+@pytest.mark.full(covered_by="tests/integration/test_clearml_run.py::"
+                              "test_an_offline_task_holds_each_step_a_resume_continues_it_and_no_token_is_recorded")
+def test_an_offline_clearml_task_holds_every_step_and_a_resume_continues_it(resumed_runs):
+    """`logging.backends: [clearml]` in a run without a network, interrupted and resumed: one offline ClearML task
+    under RUN/clearml whose scalars are metrics.jsonl's, step by step, in the project the recipe names, continued
+    by the resumed attempt; neither the recipe's token nor the driver's in any file ClearML wrote."""
+    run = resumed_runs["cwd"] / "resumed"
+    task_id = (run / "clearml_task_id").read_text().strip()
+    session = run / "clearml" / "offline" / task_id
+    assert sorted(p.name for p in session.parent.iterdir()) == [task_id, f"{task_id}.zip"]
+    task = json.loads((session / "task.json").read_text())
+    assert (task["project_name"], task["name"]) == ("relax-test", "resumed")
+    events = [e for line in (session / "metrics.jsonl").read_text().splitlines() for e in json.loads(line)
+              if e["type"] == "training_stats_scalar"]
+    jsonl = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for name in ("reward_mean", "train_s"):
+        logged = [(e["iter"], e["value"]) for e in events if e["metric"] == name]
+        assert logged == [(row["step"], pytest.approx(row[name])) for row in jsonl], name
+    print(f"ClearML task {task_id}: reward_mean by step "
+          f"{[(e['iter'], round(e['value'], 3)) for e in events if e['metric'] == 'reward_mean']}")
+    for path in (p for p in (run / "clearml").rglob("*") if p.is_file() and p.suffix != ".zip"):
+        data = path.read_bytes()
+        assert b"hunter2" not in data and DRIVER_SECRET["RELAX_TEST_SECRET"].encode() not in data, path
+    assert b"RELAX_TEST_TOKEN" in (session / "task.json").read_bytes()  # the recipe, its env's names
 
 
 @pytest.mark.parametrize(

@@ -141,7 +141,6 @@ UNAVAILABLE = {
                           "sequence_parallel", GPUS),
     "megatron vlm": ({"train": {"backend": "megatron"}, "model": {"architecture": "qwen3_vl"}},
                      "model.architecture", GPUS),
-    "clearml": ({"logging": {"backends": ["clearml"]}}, "logging.backends", {}),
 }
 COMMANDS = {
     "validate": ("validate",),

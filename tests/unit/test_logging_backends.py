@@ -1,4 +1,4 @@
-"""`logging.backends` and `logging.wandb` as a user writes them: what is refused, and how it is named."""
+"""`logging.backends`, `logging.wandb` and `logging.clearml` as a user writes them: what is refused, and how."""
 
 from __future__ import annotations
 
@@ -14,21 +14,18 @@ from relax_core.launch.preflight import unavailable_features
 QUICKSTART = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 
 
-def test_clearml_is_refused_as_not_available_yet():
-    (problem,) = unavailable_features(load_recipe(QUICKSTART, ["logging.backends=[clearml]"]))
-    assert problem.startswith("logging.backends: clearml is not available in this version of Relax")
-
-
-def test_wandb_without_its_package_is_refused_naming_the_extra(monkeypatch):
-    recipe = load_recipe(QUICKSTART, ["logging.backends=[wandb]"])
+@pytest.mark.parametrize("backend", ["wandb", "clearml"])
+def test_a_tracker_without_its_package_is_refused_naming_the_extra(monkeypatch, backend):
+    recipe = load_recipe(QUICKSTART, [f"logging.backends=[{backend}]"])
     assert unavailable_features(recipe) == []  # installed here (dev extra)
-    monkeypatch.setitem(sys.modules, "wandb", None)  # as if it were not
+    monkeypatch.setitem(sys.modules, backend, None)  # as if it were not
     (problem,) = unavailable_features(recipe)
-    assert "relax-rl[wandb]" in problem and "logging.backends" in problem
+    assert f"relax-rl[{backend}]" in problem and "logging.backends" in problem
 
 
 @pytest.mark.parametrize(("overrides", "words"), [
     (["logging.wandb.project=p"], "does not list wandb"),  # a setting nothing would read
+    (["logging.clearml.project=p"], "does not list clearml"),
     (["logging.backends=[wandb,wandb]"], "more than once"),
     (["logging.backends=[mlflow]"], "logging.backends"),
     (["logging.tensorboard=false"], "unknown key"),  # the old switch: logging.backends replaced it
