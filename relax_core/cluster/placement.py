@@ -1,7 +1,8 @@
 """Where each process of a run goes, computed from the recipe alone: one home that the runtime places by
 and `relax validate`'s plan (launch/plan.py) shows.
 
-    GPUs       trainer_gpu, engine_slot_gpus, engine_slots, engines_per_node, engines_share_train_gpus
+    GPUs       trainer_gpu, engine_slot_gpus, engine_slots, engines_per_node, engines_share_train_gpus,
+               judge_slots and policy_engine_slots (GPU judge engines take the engines' group's last slots)
     cores      threads_per_process (torch threads per process on a node), local_cpu_sets (each node group's
                cores on one machine)
     local Ray  local_slots (the custom resources of the local executor's one node), local_engine_capacity
@@ -68,11 +69,27 @@ def engine_slots(recipe: Recipe) -> int:
     return getattr(recipe.cluster, rollout_group_name(recipe)).nodes * engines_per_node(recipe)
 
 
+def judge_slots(recipe: Recipe) -> list[int]:
+    """The engine slots of `reward.genrm`'s judge engines when the engines are on GPUs (SGLang): the last
+    `genrm.num_engines` slots of the engines' group, one judge engine of `rollout.gpus_per_engine` GPUs in
+    each; none for CPU engines (a judge then takes a `JUDGE_RESOURCE` slot and no GPU), nor when the engines
+    share the trainer ranks' GPUs (refused: launch/plan.py's `resource_problems`)."""
+    slots = engine_slots(recipe)
+    if not slots or not recipe.reward.judge_engines or engines_share_train_gpus(recipe):
+        return []
+    return list(range(max(slots - recipe.reward.judge_engines, 0), slots))
+
+
+def policy_engine_slots(recipe: Recipe) -> int:
+    """GPU engine slots left to the policy's engines, scale-outs included (0 for CPU engines)."""
+    return engine_slots(recipe) - len(judge_slots(recipe))
+
+
 def local_engine_capacity(recipe: Recipe) -> int:
-    """Engines a local run holds at once, scale-outs included: its GPU engine slots, or (CPU engines) one
-    per core of this machine, at least the recipe's own."""
+    """Engines a local run holds at once, scale-outs included: its GPU engine slots (less the judge's), or
+    (CPU engines) one per core of this machine, at least the recipe's own."""
     if recipe.rollout.gpus_per_engine:
-        return engine_slots(recipe)
+        return policy_engine_slots(recipe)
     return max(recipe.rollout.num_engines, os.cpu_count() or 1)
 
 

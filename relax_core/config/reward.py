@@ -23,8 +23,9 @@ class GenRMConfig(Section):
     """Judge model: a local Hugging Face model directory (a relative path is taken from where the run starts,
     like `model.path`) or a hub id."""
     num_engines: int = Field(1, ge=1)
-    """Judge engine servers (placed on the engines' node group, beside the rollout engines); each judge call
-    goes to the next one in turn."""
+    """Judge engine servers on the engines' node group, the rollout's kind of engine: SGLang servers of
+    `rollout.gpus_per_engine` GPUs each in the group's last GPU slots, or CPU engines; each judge call goes
+    to the next one in turn."""
     max_new_tokens: int = Field(16, ge=1)
     """Longest judge reply in tokens (greedy); the reply is searched for the score."""
     template: str = DEFAULT_TEMPLATE

@@ -7,7 +7,8 @@ groups made here hold Ray to it:
                             per GPU; trainer rank r in bundle r % G of the group of node r // G (G GPUs a node)
     engines on GPUs of a    one placement group per node, one bundle {GPU: t, relax_rollout: t} per engine
     rollout group           slot (t: rollout.gpus_per_engine); the engine takes all of it, so Ray's
-                            CUDA_VISIBLE_DEVICES names its t GPUs
+                            CUDA_VISIBLE_DEVICES names its t GPUs. The judge engines of reward.genrm take
+                            the last slots (placement.judge_slots) the same way
     colocate on GPUs        the engines use the train group's bundles: engine slot s and the trainer rank of
                             its first GPU take half of that bundle's GPU each, and its server runs on the t
                             GPUs of the bundles from there (CUDA_VISIBLE_DEVICES, set by EngineWorker), which
@@ -28,9 +29,9 @@ from relax_core.cluster.placement import (
     ROLLOUT_RESOURCE,
     TRAIN_RESOURCE,
     engine_slot_gpus,
-    engine_slots,
     engines_per_node,
     engines_share_train_gpus,
+    policy_engine_slots,
     trainer_gpu,
 )
 from relax_core.config.schema import Recipe, rollout_group_name
@@ -101,8 +102,9 @@ class GpuSlots:
 
     @property
     def engine_capacity(self) -> int | None:
-        """Engines the GPUs hold at once (None: CPU engines, as many as the group's slots)."""
-        return engine_slots(self.recipe) or None
+        """Policy engines the GPUs hold at once, the judge's slots aside (None: CPU engines, as many as the
+        group's slots)."""
+        return policy_engine_slots(self.recipe) or None
 
     def engine_options(self, slot: int) -> tuple[dict[str, Any], list[str] | None]:
         """Ray options of the engine in `slot`, and (colocate on GPUs) the GPU ids its server runs on

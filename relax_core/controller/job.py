@@ -126,7 +126,7 @@ class Job:
         self.slots = GpuSlots.reserve(self._ray, self.recipe)
         group = rollout_group_name(self.recipe)
         self.judges = JudgeService.start(self._ray, self.recipe, self.run, self._threads(group),
-                                         self.cpu_sets.get(group))
+                                         self.cpu_sets.get(group), self.slots)
         self.engines = self._engine_set()
         shared = self.engines.hands_over  # colocate on GPU nodes: engines on the trainer ranks' GPUs
         engines_ready = None if shared else self.engines.launch(self.recipe.rollout.num_engines)

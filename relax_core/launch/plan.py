@@ -40,6 +40,7 @@ from relax_core.cluster.placement import (
     engine_slots,
     engines_per_node,
     engines_share_train_gpus,
+    judge_slots,
     local_cpu_sets,
     threads_per_process,
     trainer_gpu,
@@ -67,16 +68,25 @@ def resource_problems(recipe: Recipe) -> list[str]:
         return [f"rollout.gpus_per_engine: an engine's {tp} GPUs (its tensor-parallel ranks) must be on one node, "
                 f"but a node of the {name} group has {group.gpus_per_node}; lower rollout.gpus_per_engine to "
                 f"{group.gpus_per_node} or raise cluster.{name}.gpus_per_node to {tp}"]
-    per_node, capacity = engines_per_node(recipe), engine_slots(recipe)
+    judges = recipe.reward.judge_engines
+    if judges and engines_share_train_gpus(recipe):
+        return ["reward.genrm: judge engines on GPUs need GPUs of their own, and here the engines share the "
+                "trainer ranks' GPUs (colocate); give the rollout a node group of its own "
+                "(cluster.rollout with GPUs, mode hybrid or fully_async), or serve the judge yourself at "
+                "$RELAX_GENRM_URL and drop reward.genrm"]
+    per_node, slots = engines_per_node(recipe), engine_slots(recipe)
+    capacity = slots - judges
     if ro.num_engines <= capacity:
         return []
+    if judges:
+        engines += f", and {judges} judge engine{_s(judges)} (reward.genrm) x {tp} GPU{_s(tp)} = {judges * tp} GPUs"
     shared = " (colocate: the engines share the trainer ranks' GPUs)" if engines_share_train_gpus(recipe) else ""
     partial = (f", and a node's {group.gpus_per_node} GPUs hold {per_node} engine{_s(per_node)} of {tp}"
                if group.gpus_per_node % tp else "")
-    lower = f" or lower rollout.num_engines to {capacity}" if capacity else ""
+    lower = f" or lower rollout.num_engines to {capacity}" if capacity > 0 else ""
     return [f"cluster.{name}: {engines}, but the {name} group has {_nodes(group.nodes)} x {group.gpus_per_node} "
             f"GPUs = {group.gpus}{shared}{partial}; raise cluster.{name}.nodes to "
-            f"{math.ceil(ro.num_engines / per_node)}{lower}"]
+            f"{math.ceil((ro.num_engines + judges) / per_node)}{lower}"]
 
 
 def _s(count: int) -> str:
@@ -151,7 +161,14 @@ class _Planner:
         return rows
 
     def judges(self) -> list[Row]:
+        """The judge engines of `reward.genrm`: the engines' group's last GPU slots (SGLang), else CPU engines."""
         r, group = self.recipe, rollout_group_name(self.recipe)
+        on_gpus = judge_slots(r)
+        if on_gpus:
+            tp = r.rollout.gpus_per_engine
+            return [Row(group, node, _span("GPU", gpus), f"judge engine {i} ({r.rollout.engine}, TP {tp}, "
+                        "reward.genrm.model)")
+                    for i, (node, gpus) in enumerate(engine_slot_gpus(r, slot) for slot in on_gpus)]
         where = _only(getattr(r.cluster, group).nodes)
         return [Row(group, where, self.cpu(group), f"judge engine {i} (cpu engine, reward.genrm.model)")
                 for i in range(r.reward.judge_engines)]
@@ -239,15 +256,20 @@ def _group_lines(recipe: Recipe) -> list[str]:
                         f"{recipe.data_parallel} data-parallel")
             uses.append(f"{recipe.train_ranks} trainer rank{_s(recipe.train_ranks)} ({per})")
         if name == engines_on:
+            judges = len(judge_slots(recipe))
             used = ro.num_engines * ro.gpus_per_engine
             what = f"{ro.num_engines} engine{_s(ro.num_engines)}"
             what += f" x {ro.gpus_per_engine} GPU{_s(ro.gpus_per_engine)} = {used} GPUs" if used else " (CPU)"
+            used += judges * ro.gpus_per_engine
             if engines_share_train_gpus(recipe):
                 what += " on the trainer ranks' GPUs (colocate: time-shared)"
             elif ro.gpus_per_engine and group.gpus > used:
                 what += f", {group.gpus - used} GPUs idle"
             uses.append(what)
-            if recipe.reward.judge_engines:
+            if judges:
+                uses.append(f"{judges} judge engine{_s(judges)} x {ro.gpus_per_engine} "
+                            f"GPU{_s(ro.gpus_per_engine)} (reward.genrm)")
+            elif recipe.reward.judge_engines:
                 uses.append(f"{recipe.reward.judge_engines} judge engine{_s(recipe.reward.judge_engines)} (CPU)")
         if name == "reference":
             workers = group.nodes * (group.gpus_per_node or 1)

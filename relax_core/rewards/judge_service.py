@@ -1,17 +1,20 @@
 """The LLM judge as a service of the run: the engines of `reward.genrm`, started and stopped by the job.
 
-    job start-up: JudgeService.start(ray, recipe, run, threads, cpus)     returns at once
-                    -> reward.genrm.num_engines EngineWorker actors, one `relax_judge` slot each (the
-                       engines' node group advertises them beside its engine slots, cluster/node.py),
-                       each serving reward.genrm.model, behind the run's bearer key `judge_api_key`
+    job start-up: JudgeService.start(ray, recipe, run, threads, cpus, slots)     returns at once
+                    -> reward.genrm.num_engines EngineWorker actors, each serving reward.genrm.model behind
+                       the run's bearer key `judge_api_key`: with SGLang engines, SGLang servers of
+                       rollout.gpus_per_engine GPUs in the last engine slots of the engines' group
+                       (placement.judge_slots, their placement-group bundles: controller/gpu_slots.py);
+                       with CPU engines, CPU engines in one `relax_judge` slot each (the engines' node group
+                       advertises them beside its engine slots, cluster/node.py)
                   ... the policy engines and the trainers load their models meanwhile ...
                   service.endpoints()   waits until every judge engine is healthy
                     -> JudgeEndpoints(urls, api_key): plain data, for whichever process runs the hub
                   RewardHub.from_config(recipe.reward, judge=endpoints)   the hub's `genrm` (genrm.py)
     job close:    service.stop()   each server stopped by its PID (EngineWorker.stop), its actor killed
 
-The judge engines are the rollout's engine (the CPU engine here) without a
-weight group: the judge is frozen. They serve greedy `/generate` calls,
+The judge engines are the rollout's kind of engine (rollout/engine_command.py's
+`judge_engines`) without a weight group: the judge is frozen. They serve greedy `/generate` calls,
 `rollout.max_concurrency` at a time each. Without a `reward.genrm` section the
 service has no engines and `endpoints()` is None.
 """
@@ -38,12 +41,13 @@ class JudgeService:
         self._endpoints: JudgeEndpoints | None = None
 
     @classmethod
-    def start(cls, ray, recipe, run, threads: int, cpus: list[int] | None = None) -> JudgeService:
+    def start(cls, ray, recipe, run, threads: int, cpus: list[int] | None = None, slots=None) -> JudgeService:
         """Start the judge engines of `recipe.reward.genrm` (none without it); does not wait for them.
 
         Args:
-            threads: torch threads of each judge engine.
-            cpus: cores to pin them to (the engines' group on the local executor), None: no pinning.
+            threads: torch threads of each judge engine (CPU engines).
+            cpus: cores to pin CPU judge engines to (the engines' group on the local executor), None: no pinning.
+            slots: the run's `GpuSlots`, whose engine-slot bundles GPU judge engines take.
         """
         section = recipe.reward.genrm
         if section is None:
@@ -53,19 +57,26 @@ class JudgeService:
         run.write_secret(JUDGE_KEY)
         service = cls(ray, run.secret(JUDGE_KEY))
         model = str(resolve_model_path(section.model))
+        from relax_core.cluster.placement import judge_slots
+
+        on_gpus = judge_slots(recipe)
         try:
             for index in range(section.num_engines):
-                service._spawn(index, model, str(run.logs / f"judge-{index}.log"), threads, cpus, recipe)
+                options = slots.engine_options(on_gpus[index])[0] if on_gpus else \
+                    {"num_cpus": 0, "resources": {JUDGE_RESOURCE: 1}}
+                service._spawn(index, model, str(run.logs / f"judge-{index}.log"), threads,
+                               None if on_gpus else cpus, recipe, options)
         except BaseException:
             service.stop()
             raise
         return service
 
-    def _spawn(self, index: int, model: str, log_path: str, threads: int, cpus: list[int] | None, recipe) -> None:
+    def _spawn(self, index: int, model: str, log_path: str, threads: int, cpus: list[int] | None, recipe,
+               options: dict) -> None:
         from relax_core.rollout.engine_command import judge_engines
         from relax_core.rollout.engine_worker import EngineWorker
 
-        actor = self._ray.remote(num_cpus=0, resources={JUDGE_RESOURCE: 1})(EngineWorker).remote(
+        actor = self._ray.remote(**options)(EngineWorker).remote(
             index, judge_engines(recipe, model, threads), log_path, self.api_key, cpus)
         self.actors.append(actor)
         self._ready.append(actor.wait_ready.remote())

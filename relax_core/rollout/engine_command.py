@@ -50,9 +50,15 @@ def rollout_engines(recipe: Recipe, model_dir: str, threads: int) -> EngineSetti
 
 
 def judge_engines(recipe: Recipe, model_dir: str, threads: int) -> EngineSettings:
-    """The settings of `recipe`'s judge engines (`reward.genrm`): CPU engines of the judge's model."""
-    genrm = recipe.reward.genrm
-    return EngineSettings("cpu", model_dir, recipe.train.seed, recipe.rollout.max_concurrency, threads,
+    """The settings of `recipe`'s judge engines (`reward.genrm`), the rollout's kind of engine serving the
+    judge's model: with SGLang, servers of `rollout.gpus_per_engine` GPUs each (in the engines' group's last
+    slots, placement.judge_slots) started with SGLang's defaults (the policy's `rollout.engine_args` tune its
+    own engines); else CPU engines."""
+    genrm, ro = recipe.reward.genrm, recipe.rollout
+    if ro.gpus_per_engine:
+        return EngineSettings(ro.engine, model_dir, recipe.train.seed, ro.max_concurrency, threads,
+                              genrm.trust_remote_code, ro.gpus_per_engine)
+    return EngineSettings("cpu", model_dir, recipe.train.seed, ro.max_concurrency, threads,
                           genrm.trust_remote_code)
 
 

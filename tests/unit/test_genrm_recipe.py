@@ -146,3 +146,43 @@ def test_the_hub_of_a_recipe_with_a_judge_model_needs_the_judges_endpoints(tmp_p
     with RewardHub.from_config(config, judge=endpoints) as hub:  # asks those endpoints, not $RELAX_GENRM_URL
         [result] = hub.score_sync([RewardItem("x", None)])
     assert result.status == "error" and result.error.startswith("EngineUnreachable: http://127.0.0.1:9/"), result.error
+
+
+def test_judge_engines_on_sglang_start_in_their_engine_slots_and_cpu_judges_in_judge_slots(tmp_path):
+    """What JudgeService asks Ray for each judge engine: with SGLang engines, the placement-group bundle of
+    its engine slot (the engines' group's last ones, GpuSlots.engine_options) and an SGLang server of the
+    engines' TP size; with CPU engines, a `relax_judge` slot and a CPU engine pinned to the group's cores."""
+    from relax_core.rewards.judge_service import JudgeService
+    from relax_core.rundir import RunDir
+
+    started = []
+
+    class Ray:  # records each actor's options and arguments; starts nothing
+        def remote(self, **options):
+            def wrap(cls):
+                class Handle:
+                    @staticmethod
+                    def remote(index, settings, log_path, api_key, cpus):
+                        started.append((options, index, settings, cpus))
+                        return type("Actor", (), {"wait_ready": type("M", (), {"remote": lambda: None})})()
+                return Handle
+            return wrap
+
+    class Slots:
+        def engine_options(self, slot):
+            return {"num_cpus": 0, "num_gpus": 2, "bundle": slot}, None
+
+    judge_dir = str(tiny.materialize_tiny_model(tmp_path / "judge", architecture="qwen3"))
+    run = RunDir(tmp_path / "run").create()
+    gpu = load_recipe(REPO / "recipes" / "math_dapo_qwen3_4b_fsdp.yaml",
+                      ["mode=fully_async", "cluster.rollout.nodes=1", "rollout.num_engines=2", "reward.name=genrm",
+                       f"reward.genrm.model={judge_dir}", "reward.genrm.num_engines=2"])
+    JudgeService.start(Ray(), gpu, run, threads=4, cpus=[0, 1], slots=Slots())
+    assert [(o, i, s.engine, s.tp_size, s.model_dir, cpus) for o, i, s, cpus in started] == [
+        ({"num_cpus": 0, "num_gpus": 2, "bundle": 2}, 0, "sglang", 2, judge_dir, None),
+        ({"num_cpus": 0, "num_gpus": 2, "bundle": 3}, 1, "sglang", 2, judge_dir, None)]
+    started.clear()
+    cpu = load_recipe(recipe_file(tmp_path, {"name": "genrm", "genrm": {"model": judge_dir}}))
+    JudgeService.start(Ray(), cpu, run, threads=4, cpus=[0, 1])
+    assert [(o, s.engine, cpus) for o, _, s, cpus in started] == [
+        ({"num_cpus": 0, "resources": {JUDGE_RESOURCE: 1}}, "cpu", [0, 1])]

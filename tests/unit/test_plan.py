@@ -29,12 +29,15 @@ GOLDEN = REPO / "tests" / "golden"
 FSDP = REPO / "recipes" / "math_dapo_qwen3_4b_fsdp.yaml"
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 ASYNC = ["mode=fully_async", "cluster.rollout.nodes=1"]  # what the fsdp recipe's comment says to override
+# An LLM judge Relax serves on two SGLang engines beside two policy engines
+GENRM = ["rollout.num_engines=2", "reward.name=genrm", "reward.genrm.model=Qwen/Qwen3-8B", "reward.genrm.num_engines=2"]
 CASES = {
     "math_dapo_qwen3_4b": ("math_dapo_qwen3_4b.yaml", []),
     "math_dapo_qwen3_4b_fsdp": ("math_dapo_qwen3_4b_fsdp.yaml", []),
     "math_dapo_qwen3_4b_fsdp_fully_async": ("math_dapo_qwen3_4b_fsdp.yaml", ASYNC),
     "vlm_openr1_qwen3vl_4b": ("vlm_openr1_qwen3vl_4b.yaml", []),
     "omni_avqa": ("omni_avqa.yaml", []),
+    "math_dapo_qwen3_4b_fsdp_fully_async_genrm": ("math_dapo_qwen3_4b_fsdp.yaml", [*ASYNC, *GENRM]),
 }
 
 
@@ -98,11 +101,38 @@ def test_asynchronous_engines_get_the_rollout_groups_gpus():
         ("math_dapo_qwen3_4b_fsdp.yaml", [*ASYNC, "cluster.rollout.gpus_per_node=0"],
          "cluster.rollout.gpus_per_node: 4 engines x 2 GPUs = 8 GPUs, but the rollout group has no GPUs; "
          "set cluster.rollout.gpus_per_node"),
+        ("math_dapo_qwen3_4b_fsdp.yaml", [*ASYNC, *GENRM, "rollout.num_engines=3"],
+         "cluster.rollout: 3 engines x 2 GPUs = 6 GPUs, and 2 judge engines (reward.genrm) x 2 GPUs = 4 GPUs, but "
+         "the rollout group has 1 node x 8 GPUs = 8; raise cluster.rollout.nodes to 2 or lower rollout.num_engines "
+         "to 2"),
+        ("math_dapo_qwen3_4b_fsdp.yaml", GENRM,
+         "reward.genrm: judge engines on GPUs need GPUs of their own, and here the engines share the trainer ranks' "
+         "GPUs (colocate); give the rollout a node group of its own (cluster.rollout with GPUs, mode hybrid or "
+         "fully_async), or serve the judge yourself at $RELAX_GENRM_URL and drop reward.genrm"),
     ],
-    ids=["async-over", "colocate-over", "uneven-tp", "tp-over-a-node", "no-gpus"],
+    ids=["async-over", "colocate-over", "uneven-tp", "tp-over-a-node", "no-gpus", "judges-over", "judges-colocate"],
 )
 def test_engines_that_do_not_fit_are_refused_with_the_arithmetic(name, overrides, message):
     assert resource_problems(recipe(name, overrides)) == [message]
+
+
+def test_a_judge_on_sglang_runs_on_sglang_engines_in_the_last_gpu_slots_of_the_engines_group():
+    """`reward.genrm` with SGLang engines: the judge model is served by SGLang servers of the engines' size
+    (TP 2) on the engines' group's GPUs after the policy engines', with their own command lines."""
+    from relax_core.cluster.placement import judge_slots, local_engine_capacity, policy_engine_slots
+
+    r = recipe("math_dapo_qwen3_4b_fsdp.yaml", [*ASYNC, *GENRM])
+    assert (judge_slots(r), policy_engine_slots(r), local_engine_capacity(r)) == ([2, 3], 2, 2)
+    lines = plan_lines(r, "slurm", python="python3")
+    print("\n".join(line for line in lines if "judge" in line or "engine" in line))
+    judges = [line.split(maxsplit=2) for line in lines if "(sglang, TP 2, reward.genrm.model)" in line]
+    assert [(where, gpus) for where, gpus, _ in judges] == [("rollout[0]", "GPUs"), ("rollout[0]", "GPUs")]
+    assert ["GPUs 4-5" in line for line in lines if "judge engine 0 (" in line] == [True]
+    assert ["GPUs 6-7" in line for line in lines if "judge engine 1 (" in line] == [True]
+    commands = [line for line in lines if line.lstrip().startswith("judge engine")]
+    assert len(commands) == 2 and all("relax_core.rollout.sglang_launch --model-path <judge-model-dir>" in line
+                                      and "--tp-size 2" in line for line in commands)
+    assert "2 engines x 2 GPUs = 4 GPUs, 2 judge engines x 2 GPUs (reward.genrm)" in "\n".join(lines)
 
 
 def test_colocated_engines_may_use_fewer_gpus_than_the_trainer_ranks():
