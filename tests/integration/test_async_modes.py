@@ -161,7 +161,9 @@ def test_updates_land_mid_response_each_token_keeps_its_version_and_the_copy_tas
     assert all(1 <= sum(counts.values()) <= 6 for counts in samples)  # a version per token (EOS may end one early)
     mixed = [counts for counts in samples if len(counts) >= 2]
     assert mixed  # updates did land mid-response (measured: 140 to 4392 of the 12,800 samples, by the load)
-    assert all(max(counts) - min(counts) == len(counts) - 1 for counts in mixed)  # consecutive versions
+    # Not always consecutive: two syncs may land while a retracted request waits for its turn (one CI run saw
+    # it); the newest is at most max_staleness after the oldest, which is at most that before the step.
+    assert all(max(counts) - min(counts) <= 2 for counts in mixed)
     staleness = watched.token_staleness()
     assert min(staleness) >= 0 and max(staleness) <= 2
     rows = watched.run.read_metrics()
